@@ -1,0 +1,124 @@
+"""``./wb``: the workbench command line. Run ``./wb --help``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from workbench import build, check, export, materialize, rebase, refresh, stack, upstream
+from workbench.errors import WorkbenchError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TREE = ROOT / "build" / "vllm"
+
+
+def _stack(args: argparse.Namespace) -> stack.Stack:
+    return stack.load(args.root)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    for name, artifact in upstream.ARTIFACTS.items():
+        if name in args.what:
+            print(f"{name}: {upstream.fetch(artifact)} (sha256 verified)")
+    return 0
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    head = materialize.materialize(_stack(args), args.tree, force=args.force)
+    print(f"materialized {args.tree} (branch stack, HEAD {head[:12]})")
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    changes = refresh.refresh(_stack(args), args.tree)
+    for line in changes:
+        print(line)
+    print(f"refreshed from {args.tree}: {len(changes) or 'no'} file changes")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    for path in export.export(_stack(args), args.out):
+        print(f"exported {path}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    problems = check.check(_stack(args), run_lint=not args.no_lint)
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    print("check: " + ("failed" if problems else "all good"))
+    return 1 if problems else 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    wheel = build.build(_stack(args), args.out, args.device)
+    print(f"built {wheel}")
+    return 0
+
+
+def cmd_rebase_report(args: argparse.Namespace) -> int:
+    drifts = rebase.rebase_report(_stack(args), args.sdist)
+    report = rebase.format_report(args.sdist, drifts)
+    print(report)
+    if args.output:
+        args.output.write_text(report)
+    return 0 if all(d.status in ("clean", "offset") for d in drifts) else 1
+
+
+def cmd_regress(args: argparse.Namespace) -> int:
+    from workbench import regress
+
+    return regress.main(args.rest)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return subprocess.call([sys.executable, str(ROOT / "project" / "demo" / "run.py"), *args.rest])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wb", description=__doc__)
+    p.add_argument("--root", type=Path, default=ROOT, help="repository root holding patches/")
+    sub = p.add_subparsers(required=True, metavar="command")
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("fetch", cmd_fetch, "download and verify the pinned release files")
+    sp.add_argument("what", nargs="*", default=list(upstream.ARTIFACTS), choices=list(upstream.ARTIFACTS))
+    sp = add("materialize", cmd_materialize, "build the patched tree as a git repository")
+    sp.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    sp.add_argument("--force", action="store_true", help="discard unrefreshed work in --tree")
+    sp = add("refresh", cmd_refresh, "write the materialized repository's commits back into patches/")
+    sp.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    sp = add("export", cmd_export, "write the stack as deterministic stacked PR patches")
+    sp.add_argument("--out", type=Path, default=ROOT / "build" / "export")
+    sp = add("check", cmd_check, "validate the stack (apply, ownership, round trips, upstream lint)")
+    sp.add_argument("--no-lint", action="store_true", help="skip upstream's pre-commit hooks")
+    sp = add("build", cmd_build, "build the patched vLLM wheel")
+    sp.add_argument("--out", type=Path, default=ROOT / "dist")
+    sp.add_argument("--device", choices=["cpu", "cuda"], help="default: VLLM_TARGET_DEVICE or what the machine has")
+    sp = add("rebase-report", cmd_rebase_report, "assess the stack on a newer vLLM sdist")
+    sp.add_argument("sdist", type=Path)
+    sp.add_argument("--output", type=Path, help="also write the markdown report here")
+    sp = add("regress", cmd_regress, "run upstream's tests against an installed build, compare to the baseline")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp = add("demo", cmd_demo, "install the patched vLLM and serve the demo model with a connector")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except WorkbenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

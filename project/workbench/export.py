@@ -1,0 +1,85 @@
+"""Export: the stack as stacked PRs, one ``git format-patch`` file per entry.
+
+The output is deterministic: materialize pins identity and dates, and the
+format-patch flags drop everything that changes between runs or git versions
+(the commit hash in the ``From`` line, the version signature, the diffstat,
+abbreviated blob ids). Every export is checked by ``git am`` onto the pristine
+tree, which must reproduce the materialized tree exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from workbench import upstream
+from workbench.errors import WorkbenchError
+from workbench.gitutil import BASE_REF, git, git_text
+from workbench.materialize import build_repo, init_base
+from workbench.stack import Stack
+
+FORMAT_PATCH_FLAGS = (
+    "--stdout",
+    "--zero-commit",
+    "--no-signature",
+    "--no-stat",
+    "--full-index",
+    "--keep-subject",
+    "--no-renames",
+    "--no-binary",
+    "--encode-email-headers",
+)
+_MAIL_START = re.compile(rb"^From 0{40} Mon Sep 17 00:00:00 2001\n", re.MULTILINE)
+
+
+def format_patches(repo: Path) -> list[bytes]:
+    """One mail per commit on top of the base, in order."""
+    stream = git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{BASE_REF}..HEAD")
+    starts = [m.start() for m in _MAIL_START.finditer(stream)]
+    return [stream[s:e] for s, e in zip(starts, starts[1:] + [len(stream)])]
+
+
+def am_onto_base(mails: list[bytes], source: Path, scratch: Path) -> str:
+    """``git am`` the mails onto a fresh pristine tree; return the resulting tree id."""
+    repo = scratch / "am"
+    init_base(repo, source)
+    git(repo, "reset", "--quiet", "--hard", "stack")
+    if mails:
+        git(repo, "am", "--quiet", "--keep", "--keep-cr", input=b"".join(mails))
+    return git_text(repo, "rev-parse", "HEAD^{tree}").strip()
+
+
+def export(stack: Stack, out_dir: Path, *, source: Path | None = None) -> list[Path]:
+    """Write ``NNNN-<entry>.patch`` per entry into ``out_dir``; return the paths."""
+    source = source or upstream.pristine_tree()
+    with tempfile.TemporaryDirectory(prefix="kvlc-export-") as tmp:
+        repo = Path(tmp) / "stack"
+        build_repo(stack, repo, source=source, trailers=False)
+        mails = format_patches(repo)
+        if len(mails) != len(stack.entries):
+            raise WorkbenchError(
+                f"format-patch gave {len(mails)} patches for {len(stack.entries)} entries"
+            )
+        expected_tree = git_text(repo, "rev-parse", "HEAD^{tree}").strip()
+        actual_tree = am_onto_base(mails, source, Path(tmp))
+        if actual_tree != expected_tree:
+            raise WorkbenchError(
+                f"git am of the export gives tree {actual_tree}, the stack gives "
+                f"{expected_tree}; the export was not written"
+            )
+    staged = {
+        f"{i:04d}-{entry.name}.patch": mail
+        for i, (entry, mail) in enumerate(zip(stack.entries, mails), 1)
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.patch"):
+        if old.name not in staged:
+            old.unlink()
+    written = []
+    for name, data in staged.items():
+        path = out_dir / name
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+        written.append(path)
+    return written

@@ -1,0 +1,210 @@
+"""The stack on disk: ``patches/series``, one directory per entry, added files.
+
+Layout (one entry per future upstream PR)::
+
+    patches/series                   quilt grammar: entry names in order, '#' comments
+    patches/<entry>/message.md       the PR: title line, blank line, body (commit message)
+    patches/<entry>/upstream.patch   changes to files that exist before the entry (-p1)
+    patches/<entry>/owned-files      files the entry adds, one repo-relative path a line
+    vllm/ tests/ docs/ <path>        the content of each added file, at its upstream path
+
+Files an entry adds are stored whole at their upstream path and owned by that
+entry alone; a later entry that changes one carries the change in its own
+``upstream.patch``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+
+ADDED_FILE_ROOTS = ("vllm", "tests", "docs")
+MESSAGE = "message.md"
+PATCH = "upstream.patch"
+OWNED = "owned-files"
+_ENTRY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# git am ends the commit message at these lines; a PR body must not hold them.
+_MESSAGE_BREAKERS = re.compile(r"^(---|diff -|Index: )", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    message: str
+    patch: str
+    owned: tuple[str, ...]
+
+    @property
+    def title(self) -> str:
+        return self.message.split("\n", 1)[0]
+
+
+@dataclass(frozen=True)
+class Stack:
+    root: Path
+    entries: tuple[Entry, ...]
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    def owner_of(self) -> dict[str, str]:
+        """Map each added file to the entry that owns it."""
+        return {path: e.name for e in self.entries for path in e.owned}
+
+    def added_file(self, path: str) -> bytes:
+        return (self.root / path).read_bytes()
+
+
+def parse_series(text: str) -> list[str]:
+    """Entry names in order; '#' comments and blank lines are ignored."""
+    names = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name = line.split()[0]
+        if not _ENTRY_NAME.match(name):
+            raise WorkbenchError(
+                f"patches/series line {lineno}: {name!r} is not an entry name "
+                "(lowercase letters, digits, '.', '_' and '-')"
+            )
+        if name in names:
+            raise WorkbenchError(f"patches/series lists {name!r} twice")
+        names.append(name)
+    return names
+
+
+def validate_message(name: str, message: str) -> None:
+    title, _, body = message.partition("\n")
+    if not title.strip():
+        raise WorkbenchError(f"entry {name}: {MESSAGE} has no title line")
+    if not body.startswith("\n") or not body.strip():
+        raise WorkbenchError(
+            f"entry {name}: {MESSAGE} needs a blank line after the title and a "
+            "body (what, why, tests run, AI assistance)"
+        )
+    if m := _MESSAGE_BREAKERS.search(message):
+        raise WorkbenchError(
+            f"entry {name}: {MESSAGE} has a line starting with {m.group(1)!r}, "
+            "which git am takes as the end of the message; indent it"
+        )
+
+
+def validate_owned_path(name: str, path: str) -> None:
+    parts = Path(path).parts
+    if (
+        not parts
+        or parts[0] not in ADDED_FILE_ROOTS
+        or ".." in parts
+        or Path(path).is_absolute()
+    ):
+        raise WorkbenchError(
+            f"entry {name}: owned file {path!r} must be a relative path under "
+            f"{', '.join(r + '/' for r in ADDED_FILE_ROOTS)}"
+        )
+
+
+def load(root: Path) -> Stack:
+    """Read and validate the stack under ``root`` (the repository root)."""
+    patches = root / "patches"
+    series = patches / "series"
+    if not series.is_file():
+        raise WorkbenchError(f"{series} is missing; create it (it may be empty)")
+    entries = []
+    for name in parse_series(series.read_text()):
+        entry_dir = patches / name
+        message_file = entry_dir / MESSAGE
+        if not message_file.is_file():
+            raise WorkbenchError(
+                f"entry {name} is listed in patches/series but "
+                f"patches/{name}/{MESSAGE} does not exist"
+            )
+        message = message_file.read_text()
+        validate_message(name, message)
+        patch_file = entry_dir / PATCH
+        patch = patch_file.read_text() if patch_file.exists() else ""
+        owned_file = entry_dir / OWNED
+        owned = (
+            tuple(line for line in owned_file.read_text().splitlines() if line)
+            if owned_file.exists()
+            else ()
+        )
+        for path in owned:
+            validate_owned_path(name, path)
+            if not (root / path).is_file():
+                raise WorkbenchError(
+                    f"entry {name} owns {path}, but that file does not exist"
+                )
+        if not patch and not owned:
+            raise WorkbenchError(f"entry {name} changes nothing: no {PATCH}, no {OWNED}")
+        entries.append(Entry(name, message, patch, owned))
+    stack = Stack(root, tuple(entries))
+    _check_single_owner(stack)
+    return stack
+
+
+def _check_single_owner(stack: Stack) -> None:
+    seen: dict[str, str] = {}
+    for entry in stack.entries:
+        for path in entry.owned:
+            if path in seen:
+                raise WorkbenchError(
+                    f"{path} is owned by both {seen[path]} and {entry.name}; "
+                    f"remove it from one entry's {OWNED}"
+                )
+            seen[path] = entry.name
+
+
+def unowned_added_files(stack: Stack) -> list[str]:
+    """Files under vllm/, tests/, docs/ at the repository root that no entry owns."""
+    owned = stack.owner_of()
+    found = []
+    for top in ADDED_FILE_ROOTS:
+        base = stack.root / top
+        if not base.exists():
+            continue
+        for path in base.rglob("*"):
+            if path.is_dir() or "__pycache__" in path.parts:
+                continue
+            rel = path.relative_to(stack.root).as_posix()
+            if rel not in owned:
+                found.append(rel)
+    return sorted(found)
+
+
+def patch_files(patch: str) -> list[str]:
+    """The -p1 paths a unified diff touches, in order."""
+    return [section.path for section in split_patch(patch)]
+
+
+@dataclass(frozen=True)
+class FileSection:
+    path: str
+    text: str
+
+    def hunk(self, number: int) -> str:
+        """The text of hunk ``number`` (1-based) of this file section."""
+        hunks = re.split(r"(?m)^(?=@@ )", self.text)[1:]
+        return hunks[number - 1] if 0 < number <= len(hunks) else ""
+
+
+_DIFF_HEADER = re.compile(r"(?m)^diff --git a/(\S+) b/(\S+)$")
+
+
+def split_patch(patch: str) -> list[FileSection]:
+    """Split a git-style unified diff into per-file sections."""
+    starts = [m.start() for m in _DIFF_HEADER.finditer(patch)]
+    sections = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(patch)
+        text = patch[start:end]
+        header = _DIFF_HEADER.match(text)
+        assert header is not None
+        sections.append(FileSection(header.group(2), text))
+    if patch.strip() and not sections:
+        raise WorkbenchError("patch holds no 'diff --git' sections")
+    return sections
