@@ -12,11 +12,14 @@ from workbench import build, check, export, materialize, rebase, refresh, stack,
 from workbench.errors import WorkbenchError
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TREE = ROOT / "build" / "vllm"
 
 
 def _stack(args: argparse.Namespace) -> stack.Stack:
     return stack.load(args.root)
+
+
+def _tree(args: argparse.Namespace) -> Path:
+    return args.tree or args.root / "build" / "vllm"
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -27,21 +30,21 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
-    head = materialize.materialize(_stack(args), args.tree, force=args.force)
-    print(f"materialized {args.tree} (branch stack, HEAD {head[:12]})")
+    head = materialize.materialize(_stack(args), _tree(args), force=args.force)
+    print(f"materialized {_tree(args)} (branch stack, HEAD {head[:12]})")
     return 0
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    changes = refresh.refresh(_stack(args), args.tree)
+    changes = refresh.refresh(_stack(args), _tree(args))
     for line in changes:
         print(line)
-    print(f"refreshed from {args.tree}: {len(changes) or 'no'} file changes")
+    print(f"refreshed from {_tree(args)}: {len(changes) or 'no'} file changes")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    for path in export.export(_stack(args), args.out):
+    for path in export.export(_stack(args), args.out or args.root / "build" / "export"):
         print(f"exported {path}")
     return 0
 
@@ -55,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    wheel = build.build(_stack(args), args.out, args.device)
+    wheel = build.build(_stack(args), args.out or args.root / "dist", args.device)
     print(f"built {wheel}")
     return 0
 
@@ -94,16 +97,16 @@ def parser() -> argparse.ArgumentParser:
     sp = add("fetch", cmd_fetch, "download and verify the pinned release files")
     sp.add_argument("what", nargs="*", default=list(upstream.ARTIFACTS), choices=list(upstream.ARTIFACTS))
     sp = add("materialize", cmd_materialize, "build the patched tree as a git repository")
-    sp.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    sp.add_argument("--tree", type=Path, help="default: ROOT/build/vllm")
     sp.add_argument("--force", action="store_true", help="discard unrefreshed work in --tree")
     sp = add("refresh", cmd_refresh, "write the materialized repository's commits back into patches/")
-    sp.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    sp.add_argument("--tree", type=Path, help="default: ROOT/build/vllm")
     sp = add("export", cmd_export, "write the stack as deterministic stacked PR patches")
-    sp.add_argument("--out", type=Path, default=ROOT / "build" / "export")
+    sp.add_argument("--out", type=Path, help="default: ROOT/build/export")
     sp = add("check", cmd_check, "validate the stack (apply, ownership, round trips, upstream lint)")
     sp.add_argument("--no-lint", action="store_true", help="skip upstream's pre-commit hooks")
     sp = add("build", cmd_build, "build the patched vLLM wheel")
-    sp.add_argument("--out", type=Path, default=ROOT / "dist")
+    sp.add_argument("--out", type=Path, help="default: ROOT/dist")
     sp.add_argument("--device", choices=["cpu", "cuda"], help="default: VLLM_TARGET_DEVICE or what the machine has")
     sp = add("rebase-report", cmd_rebase_report, "assess the stack on a newer vLLM sdist")
     sp.add_argument("sdist", type=Path)

@@ -1,0 +1,57 @@
+"""Fixtures for the workbench tests: real git, real GNU patch, the real pinned release."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "project"))
+
+from workbench import upstream  # noqa: E402
+
+TRIAL_STACK = Path(__file__).parent / "data" / "trial-stack"
+
+
+@pytest.fixture(scope="session")
+def pristine() -> Path:
+    return upstream.pristine_tree()
+
+
+@pytest.fixture
+def trial_root(tmp_path: Path) -> Path:
+    """A writable copy of the one-entry trial stack."""
+    root = tmp_path / "root"
+    shutil.copytree(TRIAL_STACK, root)
+    return root
+
+
+@pytest.fixture
+def empty_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    (root / "patches").mkdir(parents=True)
+    (root / "patches" / "series").write_text("# empty\n")
+    return root
+
+
+def wb(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI on the stack at ``root``."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "wb"), "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (except build outputs), for byte-exact comparison."""
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "build" not in p.relative_to(root).parts
+    }
