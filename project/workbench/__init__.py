@@ -1,1 +1,1 @@
-"""The workbench: turns the pinned vLLM release plus ``patches/`` into trees, wheels and PRs."""
+"""The workbench: the pinned vLLM release plus ``patches/`` -> trees, wheels, PRs."""

@@ -53,7 +53,9 @@ def target_device() -> str:
     """``VLLM_TARGET_DEVICE`` if set, else cuda where an NVIDIA GPU is, else cpu."""
     device = os.environ.get("VLLM_TARGET_DEVICE")
     if device is None:
-        has_gpu = shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+        has_gpu = (
+            shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+        )
         device = "cuda" if has_gpu else "cpu"
     if device not in ("cpu", "cuda"):
         raise WorkbenchError(
@@ -87,7 +89,8 @@ def apply_stack_to_package(stack: Stack, tree: Path) -> None:
                 target = tree / path
                 if target.exists():
                     raise WorkbenchError(
-                        f"entry {entry.name}: owned file {path} already exists in the wheel"
+                        f"entry {entry.name}: owned file {path} already exists "
+                        "in the wheel"
                     )
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(stack.added_file(path))
@@ -98,7 +101,8 @@ def apply_stack_to_package(stack: Stack, tree: Path) -> None:
             result = run_patch(tree, patch, dry_run=dry_run)
             if not result.ok:
                 raise WorkbenchError(
-                    f"entry {entry.name} does not apply to the CPU wheel:\n{result.output}"
+                    f"entry {entry.name} does not apply to the CPU wheel:\n"
+                    + result.output
                 )
 
 
@@ -126,7 +130,9 @@ def _set_version(package: Path, version: str) -> None:
     path = package / "vllm" / "_version.py"
     text = path.read_text()
     text, n = re.subn(
-        r"(?m)^__version__ = version = .*$", f"__version__ = version = {version!r}", text
+        r"(?m)^__version__ = version = .*$",
+        f"__version__ = version = {version!r}",
+        text,
     )
     if n != 1:
         raise WorkbenchError(f"{path} has no version line to rewrite")
@@ -172,8 +178,7 @@ def build_cuda(stack: Stack, out_dir: Path) -> Path:
         }
         out_dir.mkdir(parents=True, exist_ok=True)
         code = (
-            "import sys, setuptools.build_meta as b; "
-            "print(b.build_wheel(sys.argv[1]))"
+            "import sys, setuptools.build_meta as b; print(b.build_wheel(sys.argv[1]))"
         )
         proc = subprocess.run(
             [sys.executable, "-c", code, str(out_dir.resolve())],
@@ -210,4 +215,6 @@ def _wheel(args: list[str]) -> None:
         env=env,
     )
     if proc.returncode != 0:
-        raise WorkbenchError(f"python -m wheel {args[0]} failed:\n{proc.stderr.strip()}")
+        raise WorkbenchError(
+            f"python -m wheel {args[0]} failed:\n{proc.stderr.strip()}"
+        )

@@ -61,15 +61,21 @@ def check(stack: Stack, *, run_lint: bool = True) -> list[str]:
         problems.append(str(e))
     for entry, path, line in added_lines(stack):
         if _TYPE_IGNORE.search(line):
-            problems.append(f"entry {entry}: new '# type: ignore' in {path}: {line.strip()}")
+            problems.append(
+                f"entry {entry}: new '# type: ignore' in {path}: {line.strip()}"
+            )
     source = upstream.pristine_tree()
     with tempfile.TemporaryDirectory(prefix="kvlc-check-") as tmp:
         repo = Path(tmp) / "stack"
         build_repo(stack, repo, source=source)
         print("ok: every entry applies on the ones before it")
-        for old, new in zip(stack.entries, read_entries(repo)):
+        for old, new in zip(stack.entries, read_entries(repo), strict=False):
             stored_owned = {p: stack.added_file(p) for p in old.owned}
-            if (old.message, old.patch, stored_owned) != (new.message, new.patch, new.owned):
+            if (old.message, old.patch, stored_owned) != (
+                new.message,
+                new.patch,
+                new.owned,
+            ):
                 problems.append(
                     f"entry {old.name} is stale: its files are not what refresh "
                     "writes; run materialize then refresh"

@@ -8,7 +8,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from workbench import build, check, export, materialize, rebase, refresh, stack, upstream
+from workbench import (
+    build,
+    check,
+    export,
+    materialize,
+    rebase,
+    refresh,
+    stack,
+    upstream,
+)
 from workbench.errors import WorkbenchError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +28,8 @@ def _stack(args: argparse.Namespace) -> stack.Stack:
 
 
 def _tree(args: argparse.Namespace) -> Path:
-    return args.tree or args.root / "build" / "vllm"
+    tree: Path = args.tree or args.root / "build" / "vllm"
+    return tree
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -79,12 +89,16 @@ def cmd_regress(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return subprocess.call([sys.executable, str(ROOT / "project" / "demo" / "run.py"), *args.rest])
+    return subprocess.call(
+        [sys.executable, str(ROOT / "project" / "demo" / "run.py"), *args.rest]
+    )
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wb", description=__doc__)
-    p.add_argument("--root", type=Path, default=ROOT, help="repository root holding patches/")
+    p.add_argument(
+        "--root", type=Path, default=ROOT, help="repository root holding patches/"
+    )
     sub = p.add_subparsers(required=True, metavar="command")
 
     def add(
@@ -95,25 +109,60 @@ def parser() -> argparse.ArgumentParser:
         return sp
 
     sp = add("fetch", cmd_fetch, "download and verify the pinned release files")
-    sp.add_argument("what", nargs="*", default=list(upstream.ARTIFACTS), choices=list(upstream.ARTIFACTS))
-    sp = add("materialize", cmd_materialize, "build the patched tree as a git repository")
+    sp.add_argument(
+        "what",
+        nargs="*",
+        default=list(upstream.ARTIFACTS),
+        choices=list(upstream.ARTIFACTS),
+    )
+    sp = add(
+        "materialize", cmd_materialize, "build the patched tree as a git repository"
+    )
     sp.add_argument("--tree", type=Path, help="default: ROOT/build/vllm")
-    sp.add_argument("--force", action="store_true", help="discard unrefreshed work in --tree")
-    sp = add("refresh", cmd_refresh, "write the materialized repository's commits back into patches/")
+    sp.add_argument(
+        "--force", action="store_true", help="discard unrefreshed work in --tree"
+    )
+    sp = add(
+        "refresh",
+        cmd_refresh,
+        "write the materialized repository's commits back into patches/",
+    )
     sp.add_argument("--tree", type=Path, help="default: ROOT/build/vllm")
-    sp = add("export", cmd_export, "write the stack as deterministic stacked PR patches")
+    sp = add(
+        "export", cmd_export, "write the stack as deterministic stacked PR patches"
+    )
     sp.add_argument("--out", type=Path, help="default: ROOT/build/export")
-    sp = add("check", cmd_check, "validate the stack (apply, ownership, round trips, upstream lint)")
-    sp.add_argument("--no-lint", action="store_true", help="skip upstream's pre-commit hooks")
+    sp = add(
+        "check",
+        cmd_check,
+        "validate the stack (apply, ownership, round trips, upstream lint)",
+    )
+    sp.add_argument(
+        "--no-lint", action="store_true", help="skip upstream's pre-commit hooks"
+    )
     sp = add("build", cmd_build, "build the patched vLLM wheel")
     sp.add_argument("--out", type=Path, help="default: ROOT/dist")
-    sp.add_argument("--device", choices=["cpu", "cuda"], help="default: VLLM_TARGET_DEVICE or what the machine has")
-    sp = add("rebase-report", cmd_rebase_report, "assess the stack on a newer vLLM sdist")
+    sp.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="default: VLLM_TARGET_DEVICE or what the machine has",
+    )
+    sp = add(
+        "rebase-report", cmd_rebase_report, "assess the stack on a newer vLLM sdist"
+    )
     sp.add_argument("sdist", type=Path)
     sp.add_argument("--output", type=Path, help="also write the markdown report here")
-    sp = add("regress", cmd_regress, "run upstream's tests against an installed build, compare to the baseline")
+    sp = add(
+        "regress",
+        cmd_regress,
+        "run upstream's tests against an installed build, compare to the baseline",
+    )
     sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp = add("demo", cmd_demo, "install the patched vLLM and serve the demo model with a connector")
+    sp = add(
+        "demo",
+        cmd_demo,
+        "install the patched vLLM and serve the demo model with a connector",
+    )
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 

@@ -37,7 +37,8 @@ def format_patches(repo: Path) -> list[bytes]:
     """One mail per commit on top of the base, in order."""
     stream = git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{BASE_REF}..HEAD")
     starts = [m.start() for m in _MAIL_START.finditer(stream)]
-    return [stream[s:e] for s, e in zip(starts, starts[1:] + [len(stream)])]
+    ends = starts[1:] + [len(stream)]
+    return [stream[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
 def am_onto_base(mails: list[bytes], source: Path, scratch: Path) -> str:
@@ -59,7 +60,8 @@ def export(stack: Stack, out_dir: Path, *, source: Path | None = None) -> list[P
         mails = format_patches(repo)
         if len(mails) != len(stack.entries):
             raise WorkbenchError(
-                f"format-patch gave {len(mails)} patches for {len(stack.entries)} entries"
+                f"format-patch gave {len(mails)} patches for "
+                f"{len(stack.entries)} entries"
             )
         expected_tree = git_text(repo, "rev-parse", "HEAD^{tree}").strip()
         actual_tree = am_onto_base(mails, source, Path(tmp))
@@ -70,7 +72,7 @@ def export(stack: Stack, out_dir: Path, *, source: Path | None = None) -> list[P
             )
     staged = {
         f"{i:04d}-{entry.name}.patch": mail
-        for i, (entry, mail) in enumerate(zip(stack.entries, mails), 1)
+        for i, (entry, mail) in enumerate(zip(stack.entries, mails, strict=False), 1)
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.patch"):

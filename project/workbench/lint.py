@@ -73,14 +73,31 @@ def run_upstream_hooks(tree: Path, files: list[str]) -> list[str]:
     python = tools_python()
     derived = tree.parent / "pre-commit-derived.yaml"
     subprocess.run(
-        [str(python), "-c", _DERIVE, str(tree / ".pre-commit-config.yaml"), str(derived), *HOOKS],
+        [
+            str(python),
+            "-c",
+            _DERIVE,
+            str(tree / ".pre-commit-config.yaml"),
+            str(derived),
+            *HOOKS,
+        ],
         check=True,
     )
     print(f"lint: upstream hooks {', '.join(HOOKS)} on {len(files)} files")
     env = {**os.environ, "MYPY_CACHE_DIR": str(upstream.cache_dir() / "mypy-cache")}
     proc = subprocess.run(
-        [str(python), "-m", "pre_commit", "run", "--config", str(derived),
-         "--color", "never", "--files", *files],
+        [
+            str(python),
+            "-m",
+            "pre_commit",
+            "run",
+            "--config",
+            str(derived),
+            "--color",
+            "never",
+            "--files",
+            *files,
+        ],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -90,6 +107,8 @@ def run_upstream_hooks(tree: Path, files: list[str]) -> list[str]:
     sys.stdout.write(proc.stdout)
     if proc.returncode != 0:
         if "Failed" not in proc.stdout:
-            raise WorkbenchError(f"pre-commit could not run:\n{proc.stdout}{proc.stderr}")
+            raise WorkbenchError(
+                f"pre-commit could not run:\n{proc.stdout}{proc.stderr}"
+            )
         return ["upstream pre-commit hooks failed (output above)"]
     return []

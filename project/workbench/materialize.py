@@ -28,7 +28,10 @@ MATERIALIZED_REF = "refs/kvlc/materialized"
 
 
 def base_message(source: Path) -> str:
-    return f"vLLM {upstream.RELEASE}: pristine upstream source\n\nThe release sdist ({source.name}), unpacked, unchanged.\n"
+    return (
+        f"vLLM {upstream.RELEASE}: pristine upstream source\n\n"
+        f"The release sdist ({source.name}), unpacked, unchanged.\n"
+    )
 
 
 def init_base(repo: Path, source: Path) -> str:
@@ -45,7 +48,9 @@ def init_base(repo: Path, source: Path) -> str:
     return base
 
 
-def apply_entry(repo: Path, stack: Stack, entry: Entry, parent: str, trailers: bool) -> str:
+def apply_entry(
+    repo: Path, stack: Stack, entry: Entry, parent: str, trailers: bool
+) -> str:
     """Commit ``entry`` on top of ``parent``; on failure nothing in ``repo`` changes."""
     for path in entry.owned:
         if (repo / path).exists():
@@ -114,17 +119,19 @@ def unrefreshed_work(repo: Path) -> str | None:
     except WorkbenchError:
         return f"{repo} was not made by materialize"
     if head != recorded:
-        return f"{repo} has commits that refresh has not written back (HEAD {head[:12]})"
+        return (
+            f"{repo} has commits that refresh has not written back (HEAD {head[:12]})"
+        )
     return None
 
 
 def materialize(stack: Stack, dest: Path, *, force: bool = False) -> str:
     """Build the patched tree at ``dest``; the old one is replaced only on success."""
-    if dest.exists() and not force:
-        if problem := unrefreshed_work(dest):
-            raise WorkbenchError(
-                f"{problem}\nRun refresh to keep that work, or pass --force to discard it."
-            )
+    problem = unrefreshed_work(dest) if dest.exists() and not force else None
+    if problem:
+        raise WorkbenchError(
+            f"{problem}\nRun refresh to keep that work, or --force to discard it."
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
         staging = Path(tmp) / "repo"

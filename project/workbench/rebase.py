@@ -37,7 +37,9 @@ def _assess(entry: Entry, stack: Stack, tree: Path) -> EntryDrift:
     clashes = [p for p in entry.owned if (tree / p).exists()]
     if clashes:
         return EntryDrift(
-            entry.name, "conflict", [f"added file now exists upstream: {p}" for p in clashes]
+            entry.name,
+            "conflict",
+            [f"added file now exists upstream: {p}" for p in clashes],
         )
     if entry.patch:
         exact = run_patch(tree, entry.patch, dry_run=True)

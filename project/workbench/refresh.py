@@ -69,7 +69,9 @@ def read_entries(repo: Path) -> list[EntryState]:
         raise WorkbenchError(f"{repo} is not a materialized repository: {e}") from e
     merges = git_text(repo, "rev-list", "--merges", f"{base}..HEAD").split()
     if merges:
-        raise WorkbenchError(f"{repo}: merge commit {merges[0][:12]} in the stack; rebase it")
+        raise WorkbenchError(
+            f"{repo}: merge commit {merges[0][:12]} in the stack; rebase it"
+        )
     if git_text(repo, "merge-base", base, "HEAD").strip() != base:
         raise WorkbenchError(f"{repo}: HEAD does not descend from {BASE_REF}")
     dirty = git_text(repo, "status", "--porcelain", "--untracked-files=all")
@@ -82,7 +84,9 @@ def read_entries(repo: Path) -> list[EntryState]:
     entries: list[EntryState] = []
     for commit in git_text(repo, "rev-list", "--reverse", f"{base}..HEAD").split():
         parent = f"{commit}^"
-        raw_message = git(repo, "cat-file", "commit", commit).decode().split("\n\n", 1)[1]
+        raw_message = (
+            git(repo, "cat-file", "commit", commit).decode().split("\n\n", 1)[1]
+        )
         message, name = split_trailer(raw_message)
         subject = message.split("\n", 1)[0]
         if name is None:
@@ -93,10 +97,13 @@ def read_entries(repo: Path) -> list[EntryState]:
                 "to start a new entry."
             )
         if any(e.name == name for e in entries):
-            raise WorkbenchError(f"two commits carry '{ENTRY_TRAILER}: {name}'; squash them")
+            raise WorkbenchError(
+                f"two commits carry '{ENTRY_TRAILER}: {name}'; squash them"
+            )
         parse_series(name)
         validate_message(name, message)
-        added, changed = [], []
+        added: list[str] = []
+        changed: list[str] = []
         for line in git_text(
             repo, "diff", "--no-renames", "--name-status", parent, commit
         ).splitlines():
@@ -108,7 +115,9 @@ def read_entries(repo: Path) -> list[EntryState]:
             owned[path] = git(repo, "show", f"{commit}:{path}")
         patch = diff_for_patch(repo, parent, commit, changed)
         if not patch and not owned:
-            raise WorkbenchError(f"entry {name} (commit {commit[:12]}) changes nothing; drop it")
+            raise WorkbenchError(
+                f"entry {name} (commit {commit[:12]}) changes nothing; drop it"
+            )
         entries.append(EntryState(name, message, patch, owned))
     return entries
 
@@ -163,7 +172,9 @@ def write_stack(old: Stack, entries: list[EntryState]) -> list[str]:
         header = [
             line for line in series.read_text().splitlines() if line.startswith("#")
         ]
-        _write_if_changed(series, "".join(f"{x}\n" for x in header + names).encode(), log)
+        _write_if_changed(
+            series, "".join(f"{x}\n" for x in header + names).encode(), log
+        )
     return log
 
 

@@ -2,11 +2,11 @@
 
 Layout (one entry per future upstream PR)::
 
-    patches/series                   quilt grammar: entry names in order, '#' comments
-    patches/<entry>/message.md       the PR: title line, blank line, body (commit message)
-    patches/<entry>/upstream.patch   changes to files that exist before the entry (-p1)
-    patches/<entry>/owned-files      files the entry adds, one repo-relative path a line
-    vllm/ tests/ docs/ <path>        the content of each added file, at its upstream path
+    patches/series                  quilt grammar: entry names in order, '#' comments
+    patches/<entry>/message.md      the PR: title, blank line, body (commit message)
+    patches/<entry>/upstream.patch  changes to files existing before the entry (-p1)
+    patches/<entry>/owned-files     the files the entry adds, one path a line
+    vllm/ tests/ docs/ <path>       each added file's content, at its upstream path
 
 Files an entry adds are stored whole at their upstream path and owned by that
 entry alone; a later entry that changes one carries the change in its own
@@ -140,7 +140,9 @@ def load(root: Path) -> Stack:
                     f"entry {name} owns {path}, but that file does not exist"
                 )
         if not patch and not owned:
-            raise WorkbenchError(f"entry {name} changes nothing: no {PATCH}, no {OWNED}")
+            raise WorkbenchError(
+                f"entry {name} changes nothing: no {PATCH}, no {OWNED}"
+            )
         entries.append(Entry(name, message, patch, owned))
     stack = Stack(root, tuple(entries))
     _check_single_owner(stack)

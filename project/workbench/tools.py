@@ -1,4 +1,4 @@
-"""The workbench's own tool environment: pinned pre-commit and wheel, one per machine."""
+"""The workbench's tool environment: pinned pre-commit and wheel, one per machine."""
 
 from __future__ import annotations
 

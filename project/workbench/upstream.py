@@ -8,13 +8,16 @@ sha256 pinned here, and kept in a per-machine cache.
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,23 +102,32 @@ def index_url() -> str:
         return configured.stdout.strip()
     from pip._internal.models.index import PyPI
 
-    return PyPI.simple_url
+    return str(PyPI.simple_url)
 
 
 def _file_url(artifact: Artifact) -> str:
+    """The download URL of ``artifact`` from the index's project page (PEP 691/503)."""
     url = f"{index_url().rstrip('/')}/{artifact.project}/"
-    request = urllib.request.Request(
-        url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
+    accept = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
+    request = urllib.request.Request(url, headers={"Accept": accept})
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            listing = json.load(response)
+            body = response.read().decode()
+            is_json = "json" in response.headers.get("Content-Type", "")
     except OSError as e:
         raise WorkbenchError(f"cannot list {url}: {e}") from e
-    for entry in listing.get("files", []):
-        if entry["filename"] == artifact.filename:
-            return entry["url"]
-    raise WorkbenchError(f"{artifact.filename} is not listed on the index at {url}")
+    if is_json:
+        links = {f["filename"]: f["url"] for f in json.loads(body).get("files", [])}
+    else:
+        links = {
+            name: href
+            for href, name in re.findall(
+                r'<a[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body
+            )
+        }
+    if artifact.filename not in links:
+        raise WorkbenchError(f"{artifact.filename} is not listed on the index at {url}")
+    return urllib.parse.urljoin(url, html.unescape(str(links[artifact.filename])))
 
 
 def fetch(artifact: Artifact) -> Path:

@@ -1,0 +1,78 @@
+"""The project environment: ``.venv`` with the patched vLLM, from ``pip install .``.
+
+``./wb demo`` and ``./wb test`` both start here. The install is redone only
+when the stack or the build code changed since the last one, so running the
+tests twice does not rebuild the wheel twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import venv
+from pathlib import Path
+
+from workbench.errors import WorkbenchError
+
+TEST_REQUIREMENTS = "project/requirements-test.txt"
+
+
+def _stack_digest(root: Path) -> str:
+    """A digest of everything that goes into the patched wheel."""
+    digest = hashlib.sha256()
+    inputs = [root / "pyproject.toml", root / TEST_REQUIREMENTS]
+    for top in ("patches", "vllm", "project/workbench"):
+        inputs += sorted(
+            p
+            for p in (root / top).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        )
+    for path in inputs:
+        if path.exists():
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _run(cmd: list[str], what: str) -> None:
+    print(f"$ {' '.join(cmd)}", flush=True)
+    if subprocess.call(cmd) != 0:
+        raise WorkbenchError(f"{what} failed (command above)")
+
+
+def ensure(root: Path) -> Path:
+    """Return ``.venv``'s python with the patched vLLM and test tools installed."""
+    env_dir = root / ".venv"
+    python = env_dir / "bin" / "python"
+    marker = env_dir / "kvlc-installed"
+    digest = _stack_digest(root)
+    if marker.exists() and marker.read_text() == digest:
+        print(f"{env_dir}: patched vLLM is up to date")
+        return python
+    if not python.exists():
+        print(f"creating {env_dir}")
+        venv.create(env_dir, with_pip=True)
+    _run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            str(root),
+            "-r",
+            str(root / TEST_REQUIREMENTS),
+        ],
+        "installing the patched vLLM",
+    )
+    version = subprocess.run(
+        [str(env_dir / "bin" / "vllm"), "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    print(f"vllm --version: {version.stdout.strip() or version.stderr.strip()[-500:]}")
+    if "+kvlc" not in version.stdout:
+        raise WorkbenchError("the installed vLLM is not the patched build")
+    marker.write_text(digest)
+    return python
