@@ -11,6 +11,7 @@ from pathlib import Path
 from workbench import (
     build,
     check,
+    devenv,
     export,
     materialize,
     rebase,
@@ -19,6 +20,7 @@ from workbench import (
     upstream,
 )
 from workbench.errors import WorkbenchError
+from workbench.tools import tools_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,9 +91,66 @@ def cmd_regress(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return subprocess.call(
-        [sys.executable, str(ROOT / "project" / "demo" / "run.py"), *args.rest]
+    python = devenv.ensure(args.root)
+    demo = args.root / "project" / "demo"
+    model = args.root / "build" / "demo-model"
+    _call([str(python), str(demo / "make_model.py"), str(model)])
+    return _call(
+        [
+            str(python),
+            str(demo / "serve_demo.py"),
+            "--model-dir",
+            str(model),
+            *args.rest,
+        ]
     )
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    """What CI runs: project lint, the project's tests, upstream's tests (fast set)."""
+    python = devenv.ensure(args.root)
+    tools = str(tools_python())
+    steps = [
+        (
+            "project hooks",
+            [tools, "-m", "pre_commit", "run", "--all-files", "--color", "never"],
+        ),
+        (
+            "project tests",
+            [
+                str(python),
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "project/tests",
+                *args.pytest_args,
+            ],
+        ),
+        (
+            "upstream regression",
+            [
+                sys.executable,
+                str(args.root / "wb"),
+                "regress",
+                "--python",
+                str(python),
+                "--fast",
+            ],
+        ),
+    ]
+    failed = []
+    for name, cmd in steps:
+        print(f"=== {name}", flush=True)
+        if _call(cmd, cwd=args.root) != 0:
+            failed.append(name)
+    print("=== " + (f"FAILED: {', '.join(failed)}" if failed else "all tests passed"))
+    return 1 if failed else 0
+
+
+def _call(cmd: list[str], cwd: Path | None = None) -> int:
+    print(f"$ {' '.join(cmd)}", flush=True)
+    return subprocess.call(cmd, cwd=cwd)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,13 +15,16 @@ from pathlib import Path
 from workbench.errors import WorkbenchError
 
 TEST_REQUIREMENTS = "project/requirements-test.txt"
+# The workbench modules `pip install .` runs: a change to one rebuilds.
+BUILD_MODULES = ("backend", "build", "gitutil", "stack", "tools", "upstream")
 
 
 def _stack_digest(root: Path) -> str:
     """A digest of everything that goes into the patched wheel."""
     digest = hashlib.sha256()
     inputs = [root / "pyproject.toml", root / TEST_REQUIREMENTS]
-    for top in ("patches", "vllm", "project/workbench"):
+    inputs += [root / "project" / "workbench" / f"{m}.py" for m in BUILD_MODULES]
+    for top in ("patches", "vllm"):
         inputs += sorted(
             p
             for p in (root / top).rglob("*")
