@@ -38,6 +38,15 @@ def test_empty_series_materializes_the_pristine_tree(empty_root: Path, pristine:
     assert diff.returncode == 0, diff.stdout[:2000]
 
 
+def test_empty_series_checks_and_exports_nothing(empty_root: Path):
+    result = wb(empty_root, "check", "--no-lint")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stack: 0 entries" in result.stdout
+    result = wb(empty_root, "export")
+    assert result.returncode == 0, result.stderr
+    assert list((empty_root / "build" / "export").iterdir()) == []
+
+
 def test_trial_materialize_refresh_is_a_byte_round_trip(trial_root: Path):
     before = snapshot(trial_root)
     assert wb(trial_root, "materialize").returncode == 0

@@ -37,7 +37,7 @@ def format_patches(repo: Path) -> list[bytes]:
     """One mail per commit on top of the base, in order."""
     stream = git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{BASE_REF}..HEAD")
     starts = [m.start() for m in _MAIL_START.finditer(stream)]
-    ends = starts[1:] + [len(stream)]
+    ends = starts[1:] + [len(stream)] if starts else []
     return [stream[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
