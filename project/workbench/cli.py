@@ -16,6 +16,7 @@ from workbench import (
     materialize,
     rebase,
     refresh,
+    regress,
     stack,
     upstream,
 )
@@ -85,8 +86,6 @@ def cmd_rebase_report(args: argparse.Namespace) -> int:
 
 
 def cmd_regress(args: argparse.Namespace) -> int:
-    from workbench import regress
-
     return regress.main(args.rest)
 
 
@@ -124,7 +123,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 "-p",
                 "no:cacheprovider",
                 "project/tests",
-                *args.pytest_args,
+                *args.rest,
             ],
         ),
         (
@@ -163,7 +162,10 @@ def parser() -> argparse.ArgumentParser:
     def add(
         name: str, func: Callable[[argparse.Namespace], int], help: str
     ) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+        # Pass-through commands leave --help to the tool they run.
+        sp = sub.add_parser(
+            name, help=help, description=help, add_help=name not in PASS_THROUGH
+        )
         sp.set_defaults(func=func)
         return sp
 
@@ -211,23 +213,37 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("sdist", type=Path)
     sp.add_argument("--output", type=Path, help="also write the markdown report here")
-    sp = add(
+    add(
         "regress",
         cmd_regress,
-        "run upstream's tests against an installed build, compare to the baseline",
+        "run upstream's tests against an installed build, compare to the baseline "
+        "(./wb regress --help)",
     )
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp = add(
+    add(
         "demo",
         cmd_demo,
-        "install the patched vLLM and serve the demo model with a connector",
+        "install the patched vLLM and serve the demo model with a connector "
+        "(extra arguments go to project/demo/serve_demo.py)",
     )
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    add(
+        "test",
+        cmd_test,
+        "everything CI runs; installs the patched vLLM into .venv first "
+        "(extra arguments go to pytest)",
+    )
     return p
 
 
+# These pass the arguments they do not know on to the tool they run.
+PASS_THROUGH = {"regress", "demo", "test"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    if rest and args.func.__name__.removeprefix("cmd_") not in PASS_THROUGH:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return int(args.func(args))
     except WorkbenchError as e:
