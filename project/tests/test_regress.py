@@ -1,4 +1,7 @@
-"""regress on a small synthetic test tree: real pytest runs, a real baseline file."""
+"""regress on a small synthetic tree: real pytest runs, real JUnit XML, a real
+baseline file. No vLLM needed: an "installed" fake vllm sits on PYTHONPATH,
+and the tree holds a decoy vllm/ source package that must never be imported.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from workbench import regress
+from workbench.errors import WorkbenchError
 
-TESTS = '''
+TESTS = """
+import os
+from pathlib import Path
+
 import pytest
+
+import vllm
 
 
 def test_ok():
-    pass
+    assert vllm.WHERE == "installed"
 
 
 def test_now_fails():
@@ -39,66 +47,110 @@ def test_skipped():
     pytest.skip("not here")
 
 
-def test_reads_offline_hf_cache():
-    import os
-    from pathlib import Path
+class TestGroup:
+    def test_in_class(self):
+        pass
 
+
+def test_offline_hf_cache_and_repo_files():
     hub = Path(os.environ["HF_HOME"]) / "hub" / "models--facebook--opt-125m"
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert (hub / "refs" / "main").is_file()
-'''
+    assert Path("examples/data.txt").read_text() == "from the tree"
+"""
+P = "tests/unit/test_sample.py"
 
 
 @pytest.fixture
-def tree(tmp_path: Path) -> Path:
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_sample.py").write_text(TESTS)
-    return tmp_path
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An sdist-like tree: tests/ (packages, as upstream's), examples/, vllm/."""
+    root = tmp_path / "tree"
+    (root / "tests" / "unit").mkdir(parents=True)
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "unit" / "__init__.py").write_text("")
+    (root / P).write_text(TESTS)
+    (root / "tests" / "unit" / "test_broken_import.py").write_text(
+        "import no_such_module\n\ndef test_never():\n    pass\n"
+    )
+    (root / "examples").mkdir()
+    (root / "examples" / "data.txt").write_text("from the tree")
+    (root / "vllm").mkdir()
+    (root / "vllm" / "__init__.py").write_text("raise ImportError('source tree')\n")
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("WHERE = 'installed'\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    return root
 
 
-def test_outcomes_by_node_id(tree: Path):
-    outcomes = regress.run_tests(Path(sys.executable), tree, ["tests"], [])
-    assert outcomes == {
-        "tests/test_sample.py::test_ok": "passed",
-        "tests/test_sample.py::test_now_fails": "failed",
-        "tests/test_sample.py::test_param[1]": "passed",
-        "tests/test_sample.py::test_param[2]": "failed",
-        "tests/test_sample.py::test_setup_error": "error",
-        "tests/test_sample.py::test_skipped": "skipped",
-        "tests/test_sample.py::test_reads_offline_hf_cache": "passed",
+def run(tree: Path, selection: list[str]) -> regress.Run:
+    junit = tree.parent / "junit.xml"
+    return regress.run_tests(Path(sys.executable), tree, selection, junit=junit)
+
+
+def test_outcomes_by_node_id(tree: Path) -> None:
+    result = run(tree, ["tests"])
+    assert result.installed is not None
+    assert result.installed.file == tree.parent / "site" / "vllm" / "__init__.py"
+    assert result.outcomes == {
+        f"{P}::test_ok": "passed",
+        f"{P}::test_now_fails": "failed",
+        f"{P}::test_param[1]": "passed",
+        f"{P}::test_param[2]": "failed",
+        f"{P}::test_setup_error": "error",
+        f"{P}::test_skipped": "skipped",
+        f"{P}::TestGroup::test_in_class": "passed",
+        f"{P}::test_offline_hf_cache_and_repo_files": "passed",
+        "tests/unit/test_broken_import.py": "error",
     }
+    durations = regress.file_durations(tree.parent / "junit.xml", tree)
+    assert sorted((path, n) for path, _, n in durations) == [
+        ("tests/unit/test_broken_import.py", 1),
+        (P, 8),
+    ]
 
 
-def test_baseline_test_that_fails_is_a_regression(tree: Path, tmp_path: Path, capsys):
-    baseline = tmp_path / "baseline.txt"
+def test_source_tree_on_the_path_is_refused(tree: Path, monkeypatch) -> None:
+    (tree / "vllm" / "__init__.py").write_text("WHERE = 'source'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tree))
+    with pytest.raises(WorkbenchError, match="source tree"):
+        run(tree, [P])
+
+
+def test_baseline_test_that_fails_is_a_regression(tree: Path, capsys) -> None:
+    baseline = tree.parent / "baseline.txt"
     baseline.write_text(
         "# header\n"
-        "tests/test_sample.py::test_ok\n"
-        "tests/test_sample.py::test_now_fails\n"
-        "tests/test_sample.py::test_gone\n"
+        f"{P}::test_ok\n"
+        f"{P}::test_now_fails\n"
+        f"{P}::test_gone\n"
         "tests/other.py::test_outside_selection\n"
     )
     argv = ["--python", sys.executable, "--tests-from", str(tree)]
-    selection = "tests/test_sample.py"
-    status = regress.main([*argv, "--baseline", str(baseline), selection])
+    status = regress.main([*argv, "--baseline", str(baseline), P])
     out = capsys.readouterr().out
     assert status == 1
-    assert "REGRESSION: tests/test_sample.py::test_now_fails (failed)" in out
-    assert "REGRESSION: tests/test_sample.py::test_gone (not run)" in out
+    assert f"REGRESSION: {P}::test_now_fails (failed)" in out
+    assert f"REGRESSION: {P}::test_gone (not run)" in out
     assert "test_outside_selection" not in out
+    assert "3 tests pass that are not in the baseline" in out
     assert "regress: 2 regressions" in out
 
 
-def test_record_then_compare_is_clean(tree: Path, tmp_path: Path, capsys):
-    baseline = tmp_path / "baseline.txt"
+def test_record_then_compare_is_clean(tree: Path, capsys) -> None:
+    baseline = tree.parent / "baseline.txt"
     argv = ["--python", sys.executable, "--tests-from", str(tree)]
     argv += ["--baseline", str(baseline), "tests"]
     assert regress.main([*argv, "--record"]) == 0
-    recorded = regress.read_baseline(baseline)
-    assert recorded == {
-        "tests/test_sample.py::test_ok",
-        "tests/test_sample.py::test_param[1]",
-        "tests/test_sample.py::test_reads_offline_hf_cache",
+    assert regress.read_baseline(baseline) == {
+        f"{P}::test_ok",
+        f"{P}::test_param[1]",
+        f"{P}::TestGroup::test_in_class",
+        f"{P}::test_offline_hf_cache_and_repo_files",
     }
-    assert regress.main(argv) == 0
+    header = [line for line in baseline.read_text().splitlines() if line[0] == "#"]
+    assert "# Selection: tests" in header
+    assert "# Command: ./wb regress --record --python '<python>' tests" in header
+    # Extra pytest arguments pass through after --.
+    assert regress.main([*argv, "--", "-k", "not now_fails"]) == 0
     assert "regress: 0 regressions" in capsys.readouterr().out

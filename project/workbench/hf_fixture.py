@@ -2,9 +2,11 @@
 tests read from the hub: the config of ``facebook/opt-125m`` (no weights).
 
 Without it, with ``HF_HUB_OFFLINE=1`` those tests fail on a missing config, and
-without ``HF_HUB_OFFLINE=1`` every lookup retries for about 30 s on this
-network. The config is ``transformers.OPTConfig(architectures=
-["OPTForCausalLM"], torch_dtype="float16")``, stored in ``data/``.
+without ``HF_HUB_OFFLINE=1`` every lookup retries for about 30 s when the hub
+cannot be reached. The config is what ``transformers.OPTConfig(architectures=
+["OPTForCausalLM"], torch_dtype="float16").save_pretrained()`` writes
+(transformers 5.19), committed in ``data/`` because the workbench runs without
+transformers.
 """
 
 from __future__ import annotations

