@@ -1,0 +1,421 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tests for KVConnectorBase_V1.before_update_states() and the external hits
+it reports: SchedulerOutput.apply_external_hits(), the rank agreement, the
+MultiConnector forwarding and the report back to the scheduler."""
+
+import copy
+import multiprocessing
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.v1.kv_connector.unit.utils import (
+    MockKVConnector,
+    create_model_runner_output,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1 import external_hits
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
+from vllm.utils.network_utils import get_open_port
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+
+MODULE = "tests.v1.kv_connector.unit.test_before_update_states"
+
+
+class HitsConnector(MockKVConnector):
+    """Reports the hits given in its kv_connector_extra_config["hits"]."""
+
+    def before_update_states(self, scheduler_output: SchedulerOutput) -> Any:
+        return self._kv_transfer_config.kv_connector_extra_config["hits"]
+
+
+KVConnectorFactory.register_connector("HitsConnector", MODULE, "HitsConnector")
+
+
+def _extra_config(hits: Any = None) -> dict[str, Any]:
+    extra_config: dict[str, Any] = {"matched_tokens": 0, "is_async": False}
+    if hits is not None:
+        extra_config["hits"] = hits
+    return extra_config
+
+
+def _make_connector(name: str, hits: Any = None) -> Any:
+    vllm_config = create_vllm_config(
+        kv_connector=name,
+        kv_connector_module_path=MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config(hits),
+    )
+    return KVConnectorFactory.create_connector(
+        vllm_config, KVConnectorRole.WORKER, _empty_kv_cache_config()
+    )
+
+
+def _empty_kv_cache_config() -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[])
+
+
+def _new_req(req_id: str, prompt_len: int, num_computed: int) -> NewRequestData:
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=list(range(prompt_len)),
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=None,
+        block_ids=([0],),
+        num_computed_tokens=num_computed,
+        lora_request=None,
+    )
+
+
+def _scheduler_output(
+    new: Sequence[tuple[str, int, int, int]] = (),
+    cached: Sequence[tuple[str, int, int, int]] = (),
+    spec: dict[str, list[int]] | None = None,
+) -> SchedulerOutput:
+    """new: (req_id, prompt_len, num_computed, num_scheduled);
+    cached: (req_id, num_computed, num_output_tokens, num_scheduled)."""
+    num_scheduled = {r[0]: r[3] for r in [*new, *cached]}
+    return SchedulerOutput(
+        scheduled_new_reqs=[_new_req(r, p, c) for r, p, c, _ in new],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=[r[0] for r in cached],
+            resumed_req_ids=set(),
+            new_token_ids=[[] for _ in cached],
+            all_token_ids={},
+            new_block_ids=[None for _ in cached],
+            num_computed_tokens=[r[1] for r in cached],
+            num_output_tokens=[r[2] for r in cached],
+        ),
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_spec_decode_tokens=spec or {},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def test_default_hook_reports_nothing_and_is_not_called():
+    connector = _make_connector("MockKVConnector")
+    assert connector.before_update_states(_scheduler_output()) == {}
+    assert not connector.uses_before_update_states
+
+
+def test_overriding_hook_is_detected():
+    connector = _make_connector("HitsConnector", hits={})
+    assert connector.uses_before_update_states
+
+
+def test_apply_advances_computed_and_keeps_last_prompt_token():
+    so = _scheduler_output(
+        new=[("a", 100, 0, 100), ("b", 100, 16, 84)],
+        cached=[("c", 64, 0, 36)],
+    )
+    new_so = so.apply_external_hits({"a": 40, "b": 1000, "c": 35})
+    assert new_so.applied_external_hits == {"a": 40, "b": 83, "c": 35}
+    assert [r.num_computed_tokens for r in new_so.scheduled_new_reqs] == [40, 99]
+    assert new_so.scheduled_cached_reqs.num_computed_tokens == [99]
+    assert new_so.num_scheduled_tokens == {"a": 60, "b": 1, "c": 1}
+    assert new_so.total_num_scheduled_tokens == 220 - 40 - 83 - 35
+    assert new_so.has_sync_kv_loads
+
+
+def test_apply_clamps_to_prompt_of_new_request_with_replayed_outputs():
+    # 10 prompt tokens, but 14 tokens (prompt and replayed outputs) scheduled.
+    so = _scheduler_output(new=[("a", 10, 0, 14)])
+    assert so.external_hit_limits() == {"a": 9}
+    assert so.apply_external_hits({"a": 13}).num_scheduled_tokens == {"a": 5}
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        # Decode step of a request that produced output.
+        _scheduler_output(cached=[("a", 50, 1, 1)]),
+        # Speculative tokens scheduled.
+        _scheduler_output(cached=[("a", 50, 0, 3)], spec={"a": [1, 2]}),
+        # New request whose prompt is already computed.
+        _scheduler_output(new=[("a", 10, 10, 1)]),
+        # A single scheduled token: nothing left to skip.
+        _scheduler_output(new=[("a", 10, 9, 1)]),
+        # Request not scheduled in this step.
+        _scheduler_output(new=[("b", 10, 0, 10)]),
+    ],
+)
+def test_ineligible_requests_get_nothing(so: SchedulerOutput):
+    assert so.apply_external_hits({"a": 5}) is so
+    assert so.external_hit_limits().get("a", 0) == 0
+
+
+def test_apply_leaves_scheduler_output_untouched():
+    so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("c", 64, 0, 36)])
+    before = copy.deepcopy(so)
+    new_req = so.scheduled_new_reqs[0]
+    num_scheduled_tokens = so.num_scheduled_tokens
+    cached_num_computed = so.scheduled_cached_reqs.num_computed_tokens
+
+    new_so = so.apply_external_hits({"a": 10, "c": 5})
+
+    assert new_so is not so
+    assert new_so.num_scheduled_tokens is not num_scheduled_tokens
+    assert new_so.scheduled_new_reqs[0] is not new_req
+    assert new_so.scheduled_cached_reqs is not so.scheduled_cached_reqs
+    assert so.num_scheduled_tokens is num_scheduled_tokens
+    assert so.scheduled_new_reqs[0] is new_req
+    assert so.scheduled_cached_reqs.num_computed_tokens is cached_num_computed
+    assert repr(so) == repr(before)
+    assert so.num_scheduled_tokens == before.num_scheduled_tokens
+    assert so.total_num_scheduled_tokens == before.total_num_scheduled_tokens
+    assert so.applied_external_hits is None
+    assert not so.has_sync_kv_loads
+
+
+def test_apply_leaves_scheduler_requests_untouched():
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config(),
+    )
+    scheduler = create_scheduler(vllm_config)
+    request = create_request(num_tokens=40)
+    scheduler.add_request(request)
+    so = scheduler.schedule()
+    assert request.num_computed_tokens == 40
+
+    new_so = so.apply_external_hits({request.request_id: 32})
+
+    assert new_so.num_scheduled_tokens[request.request_id] == 8
+    assert so.num_scheduled_tokens[request.request_id] == 40
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert request.num_computed_tokens == 40
+
+
+@pytest.mark.parametrize(
+    "hits",
+    [{"a": -1}, {"a": 1.5}, {"a": True}, {"a": "3"}, {"a": None}, {7: 3}, [("a", 3)]],
+)
+def test_invalid_hits_raise_naming_connector_and_request(
+    hits: Any, monkeypatch: pytest.MonkeyPatch
+):
+    _single_rank(monkeypatch)
+    connector = _make_connector("HitsConnector", hits={"b": 4, "c": 2})
+    connector._kv_transfer_config.kv_connector_extra_config["hits"] = {
+        "b": 4,
+        **hits,
+    } if isinstance(hits, dict) else hits
+    so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 10, 0, 10)])
+    before = copy.deepcopy(so)
+    with pytest.raises(ValueError, match=r"HitsConnector\.before_update_states") as e:
+        external_hits.apply_before_update_states(connector, so)
+    if isinstance(hits, dict):
+        assert repr(next(iter(hits))) in str(e.value)
+    assert repr(so) == repr(before)
+
+
+def _single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    one_rank = SimpleNamespace(world_size=1, cpu_group=None)
+    monkeypatch.setattr(external_hits, "get_tp_group", lambda: one_rank)
+    monkeypatch.setattr(external_hits, "get_pcp_group", lambda: one_rank)
+
+
+def test_apply_before_update_states_single_rank(monkeypatch: pytest.MonkeyPatch):
+    _single_rank(monkeypatch)
+    connector = _make_connector("HitsConnector", hits={"a": 5, "zzz": 3})
+    so = _scheduler_output(new=[("a", 10, 0, 10)])
+    new_so = external_hits.apply_before_update_states(connector, so)
+    assert new_so.applied_external_hits == {"a": 5}
+
+
+def test_collective_skipped_only_without_eligible_requests(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    calls: list[list[int]] = []
+
+    def fake_all_reduce_min(values: list[int], groups: Any) -> list[int]:
+        calls.append(values)
+        return values
+
+    two_ranks = SimpleNamespace(world_size=2, cpu_group=object())
+    one_rank = SimpleNamespace(world_size=1, cpu_group=None)
+    monkeypatch.setattr(external_hits, "get_tp_group", lambda: two_ranks)
+    monkeypatch.setattr(external_hits, "get_pcp_group", lambda: one_rank)
+    monkeypatch.setattr(external_hits, "all_reduce_min", fake_all_reduce_min)
+    connector = _make_connector("HitsConnector", hits={})
+
+    # A rank without hits still joins while a request is eligible.
+    external_hits.apply_before_update_states(
+        connector, _scheduler_output(new=[("a", 10, 0, 10), ("b", 10, 0, 10)])
+    )
+    assert calls == [[0, 0]]
+    # Decode only: every rank skips alike.
+    external_hits.apply_before_update_states(
+        connector, _scheduler_output(cached=[("a", 10, 1, 1)])
+    )
+    assert calls == [[0, 0]]
+
+
+def _min_worker(rank: int, port: int, results: Any) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
+        setattr(external_hits, "get_tp_group", lambda: group)
+        setattr(external_hits, "get_pcp_group", lambda: SimpleNamespace(world_size=1))
+        # Rank 0 has hits for both requests, rank 1 only a smaller one for b.
+        hits = {"a": 9, "b": 50} if rank == 0 else {"b": 20}
+        connector = SimpleNamespace(before_update_states=lambda so: hits)
+        so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 100, 0, 64)])
+        new_so = external_hits.apply_before_update_states(connector, so)
+        results.put((rank, new_so.applied_external_hits))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_apply_the_minimum():
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = get_open_port()
+    procs = [ctx.Process(target=_min_worker, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert dict(results.get(timeout=5) for _ in procs) == {
+        0: {"b": 20},
+        1: {"b": 20},
+    }
+
+
+def _multi_connector(children: list[dict[str, Any]]) -> MultiConnector:
+    vllm_config = create_vllm_config(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": children},
+    )
+    return MultiConnector(vllm_config, KVConnectorRole.WORKER, _empty_kv_cache_config())
+
+
+def _child(name: str, hits: Any = None) -> dict[str, Any]:
+    return {
+        "kv_connector": name,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": MODULE
+        if name == "HitsConnector"
+        else "tests.v1.kv_connector.unit.utils",
+        "kv_connector_extra_config": _extra_config(hits),
+    }
+
+
+def test_multi_connector_first_positive_hit_wins():
+    mc = _multi_connector(
+        [
+            _child("MockKVConnector"),
+            _child("HitsConnector", hits={"a": 0, "b": 7}),
+            _child("HitsConnector", hits={"a": 3, "b": 9, "c": 2}),
+        ]
+    )
+    assert mc.uses_before_update_states
+    assert mc.before_update_states(_scheduler_output()) == {"a": 3, "b": 7, "c": 2}
+
+
+def test_multi_connector_without_hook_users_is_not_called():
+    mc = _multi_connector([_child("MockKVConnector"), _child("MockKVConnector")])
+    assert not mc.uses_before_update_states
+
+
+def test_multi_connector_names_the_sub_connector_on_bad_hits():
+    mc = _multi_connector([_child("HitsConnector", hits={"a": -2})])
+    with pytest.raises(ValueError, match=r"HitsConnector.*'a'"):
+        mc.before_update_states(_scheduler_output())
+
+
+def test_pipeline_parallel_is_rejected_at_creation():
+    vllm_config = create_vllm_config(
+        kv_connector="HitsConnector",
+        kv_connector_module_path=MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config({}),
+    )
+    vllm_config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="HitsConnector.*pipeline"):
+        KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.WORKER, _empty_kv_cache_config()
+        )
+
+
+def test_aggregator_carries_applied_hits():
+    outputs = [create_model_runner_output(reqs=[]) for _ in range(2)]
+    for output in outputs:
+        output.kv_connector_output = KVConnectorOutput(
+            applied_external_hits={"a": 5}
+        )
+    aggregated = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
+    assert aggregated is not None
+    assert aggregated.kv_connector_output is not None
+    assert aggregated.kv_connector_output.applied_external_hits == {"a": 5}
+    assert not aggregated.kv_connector_output.is_empty()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_applied_hits_reach_request_stats(async_scheduling: bool):
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config(),
+        max_num_batched_tokens=64,
+    )
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    scheduler = create_scheduler(vllm_config)
+    request = create_request(num_tokens=100)
+    scheduler.add_request(request)
+    req_id = request.request_id
+
+    # Chunked prefill: 64 + 36 tokens; the worker loads 40, then 20 of them.
+    engine_outputs = []
+    for num_hit_tokens in (40, 20):
+        so = scheduler.schedule()
+        output = create_model_runner_output(reqs=[request])
+        output.kv_connector_output = KVConnectorOutput(
+            applied_external_hits={req_id: num_hit_tokens}
+        )
+        if num_hit_tokens == 40:
+            # Partial prefill: nothing sampled yet.
+            output.sampled_token_ids = [[]]
+        engine_outputs.append(scheduler.update_from_output(so, output))
+
+    core_outputs = [o for eo in engine_outputs for co in eo.values() for o in co.outputs]
+    prefill_stats = [o.prefill_stats for o in core_outputs if o.prefill_stats]
+    assert len(prefill_stats) == 1
+    assert prefill_stats[0].num_cached_tokens == 60
+    assert prefill_stats[0].num_external_cached_tokens == 60
+    assert prefill_stats[0].num_computed_tokens == 40
+    # Each update_from_output() takes the stats recorded since the last one.
+    connector_stats = [
+        eo.scheduler_stats.connector_prefix_cache_stats
+        for eos in engine_outputs
+        for eo in eos.values()
+        if eo.scheduler_stats and eo.scheduler_stats.connector_prefix_cache_stats
+    ]
+    assert sum(stats.hits for stats in connector_stats) == 60
