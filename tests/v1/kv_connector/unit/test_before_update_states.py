@@ -22,8 +22,7 @@ from tests.v1.kv_connector.unit.utils import (
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1 import external_hits
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole, external_hits
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
@@ -218,10 +217,14 @@ def test_invalid_hits_raise_naming_connector_and_request(
 ):
     _single_rank(monkeypatch)
     connector = _make_connector("HitsConnector", hits={"b": 4, "c": 2})
-    connector._kv_transfer_config.kv_connector_extra_config["hits"] = {
-        "b": 4,
-        **hits,
-    } if isinstance(hits, dict) else hits
+    connector._kv_transfer_config.kv_connector_extra_config["hits"] = (
+        {
+            "b": 4,
+            **hits,
+        }
+        if isinstance(hits, dict)
+        else hits
+    )
     so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 10, 0, 10)])
     before = copy.deepcopy(so)
     with pytest.raises(ValueError, match=r"HitsConnector\.before_update_states") as e:
@@ -279,8 +282,8 @@ def _min_worker(rank: int, port: int, results: Any) -> None:
     )
     try:
         group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
-        setattr(external_hits, "get_tp_group", lambda: group)
-        setattr(external_hits, "get_pcp_group", lambda: SimpleNamespace(world_size=1))
+        external_hits.get_tp_group = lambda: group
+        external_hits.get_pcp_group = lambda: SimpleNamespace(world_size=1)
         # Rank 0 has hits for both requests, rank 1 only a smaller one for b.
         hits = {"a": 9, "b": 50} if rank == 0 else {"b": 20}
         connector = SimpleNamespace(before_update_states=lambda so: hits)
@@ -367,9 +370,7 @@ def test_pipeline_parallel_is_rejected_at_creation():
 def test_aggregator_carries_applied_hits():
     outputs = [create_model_runner_output(reqs=[]) for _ in range(2)]
     for output in outputs:
-        output.kv_connector_output = KVConnectorOutput(
-            applied_external_hits={"a": 5}
-        )
+        output.kv_connector_output = KVConnectorOutput(applied_external_hits={"a": 5})
     aggregated = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
     assert aggregated is not None
     assert aggregated.kv_connector_output is not None
@@ -405,7 +406,9 @@ def test_applied_hits_reach_request_stats(async_scheduling: bool):
             output.sampled_token_ids = [[]]
         engine_outputs.append(scheduler.update_from_output(so, output))
 
-    core_outputs = [o for eo in engine_outputs for co in eo.values() for o in co.outputs]
+    core_outputs = [
+        o for eo in engine_outputs for co in eo.values() for o in co.outputs
+    ]
     prefill_stats = [o.prefill_stats for o in core_outputs if o.prefill_stats]
     assert len(prefill_stats) == 1
     assert prefill_stats[0].num_cached_tokens == 60

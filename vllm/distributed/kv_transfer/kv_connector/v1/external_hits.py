@@ -45,7 +45,9 @@ def apply_before_update_states(
     }
     if not limits:
         return scheduler_output
-    groups = [g.cpu_group for g in (get_tp_group(), get_pcp_group()) if g.world_size > 1]
+    groups = [
+        g.cpu_group for g in (get_tp_group(), get_pcp_group()) if g.world_size > 1
+    ]
     agreed = all_reduce_min(
         [min(hits.get(req_id, 0), limit) for req_id, limit in limits.items()],
         groups,
@@ -53,9 +55,7 @@ def apply_before_update_states(
     return scheduler_output.apply_external_hits(dict(zip(limits, agreed)), source)
 
 
-def all_reduce_min(
-    values: list[int], groups: Sequence[dist.ProcessGroup]
-) -> list[int]:
+def all_reduce_min(values: list[int], groups: Sequence[dist.ProcessGroup]) -> list[int]:
     """Element-wise minimum of values over all ranks of every group in turn,
     which is the minimum over the ranks the groups span together."""
     if not groups:

@@ -1,0 +1,126 @@
+"""End to end: KVConnectorBase_V1.before_update_states with the real engine.
+
+Each engine runs in its own process (before_update_states_driver.py), one at
+a time, on the demo model. RecordedKVConnector (kv_hits_connector.py) saves
+the KV the model computed for each prompt, then in later runs reports worker
+hits and writes that KV (or garbage) back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+DEMO = HERE.parent / "demo"
+DRIVER = HERE / "before_update_states_driver.py"
+HIT_TOKENS = 256
+
+
+def run_engine(model: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(HERE),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    if config.get("tp", 1) == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    if config["mode"] is not None:
+        for steps in Path(config["path"]).glob("steps-rank*.jsonl"):
+            steps.unlink()
+    result = subprocess.run(
+        [sys.executable, str(DRIVER), str(model), json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def computed_tokens(path: Path, rank: int = 0) -> int:
+    lines = (path / f"steps-rank{rank}.jsonl").read_text().splitlines()
+    return sum(json.loads(line)["num_tokens"] for line in lines)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    subprocess.run([sys.executable, str(DEMO / "make_model.py"), str(out)], check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A run without connector, and one that saves each prompt's KV."""
+    path = tmp_path_factory.mktemp("kv")
+    reference = run_engine(model, {"mode": None})
+    capture = run_engine(model, {"mode": "capture", "path": str(path)})
+    return {
+        "path": path,
+        "reference": reference,
+        "capture": capture,
+        "computed": computed_tokens(path),
+    }
+
+
+def test_capture_run_matches_run_without_connector(captured: dict[str, Any]):
+    for ref, cap in zip(captured["reference"], captured["capture"]):
+        assert cap["token_ids"] == ref["token_ids"]
+        assert cap["num_cached_tokens"] == 0
+
+
+def test_loaded_kv_gives_same_output_with_fewer_computed_tokens(
+    model: Path, captured: dict[str, Any]
+):
+    path = captured["path"]
+    load = run_engine(
+        model, {"mode": "load", "path": str(path), "hit_tokens": [HIT_TOKENS]}
+    )
+    for ref, out in zip(captured["reference"], load):
+        assert out["token_ids"] == ref["token_ids"]
+        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
+    long_prompt, short_prompt = load
+    assert long_prompt["prompt_len"] > HIT_TOKENS
+    assert long_prompt["num_cached_tokens"] == HIT_TOKENS
+    # The short prompt's hit is clamped: its last token is computed.
+    assert short_prompt["prompt_len"] < HIT_TOKENS
+    assert short_prompt["num_cached_tokens"] == short_prompt["prompt_len"] - 1
+    skipped = HIT_TOKENS + short_prompt["prompt_len"] - 1
+    assert computed_tokens(path) == captured["computed"] - skipped
+
+
+def test_wrong_kv_changes_output(model: Path, captured: dict[str, Any]):
+    garbage = run_engine(
+        model,
+        {"mode": "garbage", "path": str(captured["path"]), "hit_tokens": [HIT_TOKENS]},
+    )
+    ref = captured["reference"][0]
+    assert garbage[0]["num_cached_tokens"] == HIT_TOKENS
+    assert (
+        garbage[0]["token_ids"] != ref["token_ids"]
+        or garbage[0]["logprobs"] != pytest.approx(ref["logprobs"], abs=1e-4)
+    )
+
+
+def test_tp2_ranks_reporting_different_hits_apply_the_minimum(
+    model: Path, tmp_path: Path
+):
+    capture = run_engine(model, {"mode": "capture", "path": str(tmp_path), "tp": 2})
+    load = run_engine(
+        model,
+        {"mode": "load", "path": str(tmp_path), "hit_tokens": [256, 128], "tp": 2},
+    )
+    assert load[0]["num_cached_tokens"] == 128
+    for cap, out in zip(capture, load):
+        assert out["token_ids"] == cap["token_ids"]
+        assert out["logprobs"] == pytest.approx(cap["logprobs"], abs=1e-4)
