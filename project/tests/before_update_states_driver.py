@@ -46,6 +46,9 @@ def main() -> None:
         tensor_parallel_size=config.get("tp", 1),
         kv_transfer_config=kv_transfer_config,
         seed=0,
+        # On CPU this is the share of host memory the engine may reserve;
+        # keep it small so the test runs beside other work.
+        gpu_memory_utilization=0.3,
     )
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     results = []

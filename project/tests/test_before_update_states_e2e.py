@@ -37,6 +37,7 @@ def run_engine(model: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
             steps.unlink()
     result = subprocess.run(
         [sys.executable, str(DRIVER), str(model), json.dumps(config)],
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
