@@ -87,9 +87,13 @@ def test_loaded_kv_gives_same_output_with_fewer_computed_tokens(
     load = run_engine(
         model, {"mode": "load", "path": str(path), "hit_tokens": [HIT_TOKENS]}
     )
-    for ref, out in zip(captured["reference"], load):
+    for ref, cap, out in zip(captured["reference"], captured["capture"], load):
         assert out["token_ids"] == ref["token_ids"]
-        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
+        # vLLM runs the demo model in bfloat16 on CPU: a different batch
+        # composition moves logprobs by ~1e-3, so the run without connector
+        # is compared loosely and the run that computed the loaded KV tightly.
+        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-2)
+        assert out["logprobs"] == pytest.approx(cap["logprobs"], abs=1e-4)
     long_prompt, short_prompt = load
     assert long_prompt["prompt_len"] > HIT_TOKENS
     assert long_prompt["num_cached_tokens"] == HIT_TOKENS
@@ -109,7 +113,7 @@ def test_wrong_kv_changes_output(model: Path, captured: dict[str, Any]):
     assert garbage[0]["num_cached_tokens"] == HIT_TOKENS
     assert (
         garbage[0]["token_ids"] != ref["token_ids"]
-        or garbage[0]["logprobs"] != pytest.approx(ref["logprobs"], abs=1e-4)
+        or garbage[0]["logprobs"] != pytest.approx(ref["logprobs"], abs=1e-2)
     )
 
 
