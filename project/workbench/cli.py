@@ -89,6 +89,11 @@ def cmd_regress(args: argparse.Namespace) -> int:
     return regress.main(args.rest)
 
 
+def cmd_venv(args: argparse.Namespace) -> int:
+    print(f"patched build installed in {devenv.ensure(args.root)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     python = devenv.ensure(args.root)
     demo = args.root / "project" / "demo"
@@ -189,6 +194,11 @@ def parser() -> argparse.ArgumentParser:
         "write the materialized repository's commits back into patches/",
     )
     sp.add_argument("--tree", type=Path, help="default: ROOT/build/vllm")
+    add(
+        "venv",
+        cmd_venv,
+        "install the stack into .venv (pip install . + test requirements), if changed",
+    )
     sp = add(
         "export", cmd_export, "write the stack as deterministic stacked PR patches"
     )
