@@ -154,3 +154,32 @@ def test_record_then_compare_is_clean(tree: Path, capsys) -> None:
     # Extra pytest arguments pass through after --.
     assert regress.main([*argv, "--", "-k", "not now_fails"]) == 0
     assert "regress: 0 regressions" in capsys.readouterr().out
+
+
+def test_failing_test_in_a_file_the_stack_adds_is_a_regression() -> None:
+    outcomes = {
+        "tests/unit/test_added.py::test_a": "passed",
+        "tests/unit/test_added.py::test_b": "failed",
+        "tests/unit/test_added.py::test_c": "skipped",
+        "tests/unit/test_upstream.py::test_new_failing": "failed",
+    }
+    result = regress.compare(
+        set(), outcomes, ["tests/unit"], must_pass=["tests/unit/test_added.py"]
+    )
+    assert result.regressions == [("tests/unit/test_added.py::test_b", "failed")]
+
+
+def test_stack_test_files_are_the_added_and_changed_ones(trial_root: Path) -> None:
+    added_test = "tests/v1/kv_connector/unit/test_trial.py"
+    (trial_root / added_test).parent.mkdir(parents=True)
+    (trial_root / added_test).write_text("def test_trial():\n    pass\n")
+    with (trial_root / "patches" / "trial" / "owned-files").open("a") as owned:
+        owned.write(f"{added_test}\n")
+    patch = trial_root / "patches" / "trial" / "upstream.patch"
+    changed_test = "tests/v1/core/test_scheduler.py"
+    patch.write_text(
+        patch.read_text()
+        + f"diff --git a/{changed_test} b/{changed_test}\n"
+        + f"--- a/{changed_test}\n+++ b/{changed_test}\n@@ -1 +1,2 @@\n x\n+y\n"
+    )
+    assert regress.stack_test_files(trial_root) == ([added_test], [changed_test])

@@ -132,7 +132,7 @@ def cmd_test(args: argparse.Namespace) -> int:
             ],
         ),
         (
-            "upstream regression",
+            "upstream and stack tests",
             [
                 sys.executable,
                 str(args.root / "wb"),
@@ -140,6 +140,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 "--python",
                 str(python),
                 "--fast",
+                "--stack",
             ],
         ),
     ]

@@ -14,6 +14,11 @@ ids that pass on the unpatched build) that is part of the selection and does
 not pass now is a regression, printed by node id; the exit status is then 1.
 Tests that pass now but are not in the baseline are only counted.
 ``--record`` writes the baseline from a run instead of comparing.
+
+``--stack`` tests the stack itself: the tests come from a freshly
+materialized tree, the test files the stack adds or changes join the
+selection, and every test in a file the stack adds must pass (a skip is
+allowed; a failure or error is a regression like any other).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench import upstream
+from workbench import stack, upstream
 from workbench.errors import WorkbenchError
 from workbench.hf_fixture import write_hf_cache
+from workbench.materialize import materialize
 
 ROOT = Path(__file__).resolve().parents[2]
+# A throwaway tree: --stack rebuilds it every run, so it never holds work.
+STACK_TREE = Path("build") / "regress-tree"
 BASELINE = Path(__file__).parent / "data" / f"baseline-vllm-{upstream.RELEASE}-cpu.txt"
 
 # The scheduler, prefix caching, KV cache sizing, and every KV connector's unit
@@ -347,18 +355,40 @@ def in_selection(node_id: str, selection: Sequence[str]) -> bool:
     return False
 
 
+def stack_test_files(root: Path) -> tuple[list[str], list[str]]:
+    """The test files the stack at ``root`` adds, and the upstream ones it changes."""
+    entries = stack.load(root).entries
+
+    def is_test(path: str) -> bool:
+        name = path.rsplit("/", 1)[-1]
+        return path.startswith("tests/") and name.startswith("test_")
+
+    added = [p for e in entries for p in e.owned if is_test(p) and p.endswith(".py")]
+    changed = {p for e in entries for p in stack.patch_files(e.patch) if is_test(p)}
+    return added, sorted(changed - set(added))
+
+
 def compare(
-    baseline: set[str], outcomes: Mapping[str, str], selection: Sequence[str]
+    baseline: set[str],
+    outcomes: Mapping[str, str],
+    selection: Sequence[str],
+    must_pass: Sequence[str] = (),
 ) -> Comparison:
     """The baseline tests in ``selection`` that did not pass, and new passes.
 
     A baseline test missing from ``outcomes`` is a regression ``not run``
-    (renamed, removed, or its module no longer imports).
+    (renamed, removed, or its module no longer imports). So is every test
+    under ``must_pass`` that failed or errored.
     """
     expected = sorted(n for n in baseline if in_selection(n, selection))
     regressions = [
         (n, outcomes.get(n, "not run")) for n in expected if outcomes.get(n) != "passed"
     ]
+    regressions += sorted(
+        (n, o)
+        for n, o in outcomes.items()
+        if o in ("failed", "error") and n not in baseline and in_selection(n, must_pass)
+    )
     new_passes = sorted(
         n for n, o in outcomes.items() if o == "passed" and n not in baseline
     )
@@ -383,6 +413,12 @@ def _parser() -> argparse.ArgumentParser:
         "--tests-from",
         type=Path,
         help="take tests/ from this tree (default: the pristine sdist)",
+    )
+    p.add_argument(
+        "--stack",
+        action="store_true",
+        help="test the stack: tests from a fresh materialized tree, plus the "
+        "stack's own test files, which must pass",
     )
     p.add_argument("--baseline", type=Path, default=BASELINE)
     p.add_argument(
@@ -412,6 +448,18 @@ def main(argv: Sequence[str]) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = _parser().parse_args(argv)
     selection = args.paths or list(FAST_SELECTION if args.fast else SELECTION)
+    must_pass: list[str] = []
+    if args.stack:
+        if args.tests_from or args.record:
+            raise WorkbenchError(
+                "--stack takes its tests from the stack itself; "
+                "drop --tests-from / --record"
+            )
+        tree = ROOT / STACK_TREE
+        materialize(stack.load(ROOT), tree, force=True)
+        must_pass, changed = stack_test_files(ROOT)
+        selection += [p for p in [*must_pass, *changed] if p not in selection]
+        args.tests_from = tree
     tests_root = (args.tests_from or upstream.pristine_tree()).resolve()
     with tempfile.TemporaryDirectory(prefix="kvlc-junit-") as tmp:
         junit = args.junit or Path(tmp) / "junit.xml"
@@ -445,7 +493,7 @@ def main(argv: Sequence[str]) -> int:
         passed = counts(run.outcomes)["passed"]
         print(f"recorded {passed} passing tests in {args.baseline}")
         return 0
-    result = compare(read_baseline(args.baseline), run.outcomes, selection)
+    result = compare(read_baseline(args.baseline), run.outcomes, selection, must_pass)
     print(f"{len(result.new_passes)} tests pass that are not in the baseline")
     for node, outcome in result.regressions:
         print(f"REGRESSION: {node} ({outcome})")
