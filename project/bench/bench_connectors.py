@@ -61,3 +61,23 @@ class LegacyLookupConnector(_SchedulerOnly):
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
         self.pending[request.request_id] = num_external_tokens
+
+
+if hasattr(KVConnectorBase_V1, "prepare_external_match"):
+    from vllm.distributed.kv_transfer.kv_connector.v1.external_match import (
+        ExternalKVMatch,
+    )
+
+    class LifecycleLookupConnector(_SchedulerOnly):
+        def prepare_external_match(
+            self, request: Any, num_computed_tokens: int
+        ) -> ExternalKVMatch | None:
+            return ExternalKVMatch(self.lookup(request, num_computed_tokens))
+
+        def commit_external_match(
+            self, request: Any, blocks: Any, match: ExternalKVMatch
+        ) -> None:
+            self.pending[request.request_id] = match.num_tokens
+
+        def abort_external_match(self, request: Any, match: ExternalKVMatch) -> None:
+            pass

@@ -9,7 +9,7 @@ in machine load hits both alike, and writes ``project/docs/benchmarks.md`` and
 * scheduler step cost (``scheduler_step.py``) per connector and size;
 * the worker hook when unused and ``apply_external_hits`` (``worker_hook.py``,
   patched only: the unpatched build has neither);
-* ``iter_free_blocks`` resume cost (``iter_free_blocks.py``, when the stack
+* ``iter_free_blocks`` resume cost (``scheduler_context_resume.py``, when the stack
   has it);
 * ``vllm serve`` TTFT and throughput with no connector (``serve_ab.py``).
 
@@ -269,8 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     hook = run_json(builds["patched"], "worker_hook.py", "--model-dir", str(model))
     free_blocks = None
-    if (HERE / "iter_free_blocks.py").exists():
-        free_blocks = run_json(builds["patched"], "iter_free_blocks.py")
+    if (HERE / "scheduler_context_resume.py").exists():
+        free_blocks = run_json(builds["patched"], "scheduler_context_resume.py")
     serve_runs = interleaved(
         builds, args.serve_reps, "serve_ab.py", "--model-dir", str(model)
     )
@@ -294,7 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompts, 8 output tokens, finished requests replaced at once "
         "(`project/bench/scheduler_step.py`). `legacy`: a lookup connector on "
         "`get_num_new_matched_tokens`/`update_state_after_alloc` (half the requests "
-        "hit); `multi`: `MultiConnector` of two of them.",
+        "hit); `lifecycle`: the same connector on `prepare`/`commit`/"
+        "`abort_external_match` (when the stack has them); `multi`: "
+        "`MultiConnector` of two legacy ones.",
         "",
         *sched_lines,
         "",

@@ -22,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_connectors  # noqa: E402
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -56,6 +57,8 @@ EOS = 2
 CONNECTORS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "legacy": {"kv_connector": "LegacyLookupConnector"},
+    # Only where the installed vLLM has the lifecycle API (see bench_connectors).
+    "lifecycle": {"kv_connector": "LifecycleLookupConnector"},
     "multi": {
         "kv_connector": "MultiConnector",
         "kv_connector_extra_config": {
@@ -205,7 +208,10 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     for n in (int(s) for s in args.sizes.split(",")):
         for connector in args.connectors.split(","):
-            if connector not in CONNECTORS:
+            if connector not in CONNECTORS or (
+                connector == "lifecycle"
+                and not hasattr(bench_connectors, "LifecycleLookupConnector")
+            ):
                 continue
             results[f"{connector}/{n}"] = measure(
                 args.model_dir, connector, n, args.steps, args.warmup
