@@ -1,0 +1,444 @@
+"""Where chunks live: one small interface, two implementations.
+
+Keys are ``<identity>/<block hash hex>.<rank>`` strings made by the
+connector; values are encoded chunks (see ``chunk.py``), opaque here.
+
+Every backend is shared by several processes (the scheduler and the workers
+of one server, and any number of servers pointed at the same store), so all
+state that matters lives in the store itself:
+
+* a size cap with LRU eviction: ``get`` counts as a use, ``put`` evicts the
+  least recently used chunks that no open lease protects until the store is
+  below ``LOW_WATERMARK`` of its cap;
+* leases: ``lease`` takes, in one atomic step, a lease on the longest leading
+  run of the given keys that exist, so eviction cannot remove them until
+  ``release``; a lease expires on its own after its TTL (a server that died
+  holding it cannot pin chunks forever).
+
+A store that cannot be reached raises ``BackendUnavailable``; callers treat it
+as a miss (lookups, loads) or a skipped store (saves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+LOW_WATERMARK = 0.9
+# Directory backend: rescan the real store size at least every this many puts
+# (other processes write to it too).
+RESCAN_EVERY_PUTS = 32
+
+
+class BackendUnavailable(Exception):
+    """The store cannot be reached right now."""
+
+
+class Backend(Protocol):
+    """The storage interface the connector uses."""
+
+    def put(self, key: str, data: bytes) -> int:
+        """Store ``data`` under ``key`` (atomically: a reader sees all or
+        nothing) unless the key is already stored; return the number of
+        chunks evicted to stay under the cap."""
+        ...
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes of ``key`` (a use, for LRU), or None."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if stored (a corrupt chunk, found by a reader)."""
+        ...
+
+    def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        """Lease the longest leading run of ``keys`` that are stored; return
+        its length. Leased keys are not evicted until released or expired."""
+        ...
+
+    def release(self, keys: Sequence[str], lease_id: str) -> None:
+        """Drop the lease ``lease_id`` on ``keys`` (unknown ones are ignored)."""
+        ...
+
+    def num_bytes(self) -> int:
+        """The store's current size in bytes (chunks only)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def new_lease_id() -> str:
+    return uuid.uuid4().hex
+
+
+class DirectoryBackend:
+    """Chunks as files under a directory, shared by every process that opens
+    the same path on one machine (or a shared file system with working
+    ``flock``).
+
+    Layout: ``chunks/<identity>/<hh>/<hash>.<rank>`` (``hh`` the hash's first
+    two hex digits), ``leases/<lease id>`` (one line per leased key; the
+    file's mtime plus the TTL in its first line is its expiry), ``tmp/``
+    (writes in progress) and ``.lock`` (held while leasing or evicting).
+
+    A write goes to ``tmp/``, is fsynced and renamed into place, so a crash
+    never leaves a readable partial chunk; leftovers in ``tmp/`` are removed
+    when a backend opens the directory. LRU order is file mtime (a ``get``
+    touches the file).
+    """
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self._chunks = root / "chunks"
+        self._leases = root / "leases"
+        self._tmp = root / "tmp"
+        for d in (self._chunks, self._leases, self._tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock_path = root / ".lock"
+        self._lock_path.touch(exist_ok=True)
+        self._size_estimate = self._scan_size()
+        self._puts_since_scan = 0
+        self._clean_tmp()
+
+    # -- paths ------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        identity, _, name = key.partition("/")
+        if not identity or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"malformed chunk key {key!r}")
+        return self._chunks / identity / name[:2] / name
+
+    def _iter_chunk_files(self) -> Iterator[Path]:
+        for dirpath, _, filenames in os.walk(self._chunks):
+            for name in filenames:
+                yield Path(dirpath) / name
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self._lock_path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _clean_tmp(self) -> None:
+        # Only files older than a minute: another live process may be writing.
+        cutoff = time.time() - 60
+        for p in self._tmp.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
+
+    # -- chunks -----------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> int:
+        path = self._path(key)
+        if path.exists():
+            return 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp / f"{uuid.uuid4().hex}.part"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        self._size_estimate += len(data)
+        self._puts_since_scan += 1
+        if (
+            self._size_estimate > self.capacity_bytes
+            or self._puts_since_scan >= RESCAN_EVERY_PUTS
+        ):
+            return self._evict()
+        return 0
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+        return data
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def num_bytes(self) -> int:
+        return self._scan_size()
+
+    def _scan_size(self) -> int:
+        total = 0
+        for p in self._iter_chunk_files():
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size
+        return total
+
+    # -- leases -----------------------------------------------------------
+
+    def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        with self._locked():
+            n = 0
+            for key in keys:
+                if not self._path(key).exists():
+                    break
+                n += 1
+            if n:
+                body = f"{ttl_s}\n" + "\n".join(keys[:n]) + "\n"
+                (self._leases / lease_id).write_text(body)
+            return n
+
+    def release(self, keys: Sequence[str], lease_id: str) -> None:
+        path = self._leases / lease_id
+        with self._locked():
+            try:
+                lines = path.read_text().splitlines()
+            except FileNotFoundError:
+                return
+            ttl, held = lines[0], [k for k in lines[1:] if k]
+            drop = set(keys)
+            left = [k for k in held if k not in drop]
+            if left:
+                path.write_text(ttl + "\n" + "\n".join(left) + "\n")
+            else:
+                path.unlink(missing_ok=True)
+
+    def _protected_keys(self, now: float) -> set[str]:
+        """Keys under an unexpired lease; expired lease files are removed."""
+        protected: set[str] = set()
+        for path in self._leases.iterdir():
+            try:
+                mtime = path.stat().st_mtime
+                lines = path.read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            try:
+                ttl = float(lines[0])
+            except (IndexError, ValueError):
+                ttl = 0.0
+            if mtime + ttl < now:
+                path.unlink(missing_ok=True)
+                continue
+            protected.update(k for k in lines[1:] if k)
+        return protected
+
+    def _evict(self) -> int:
+        with self._locked():
+            entries: list[tuple[float, int, Path]] = []
+            for p in self._iter_chunk_files():
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime, st.st_size, p))
+            total = sum(size for _, size, _ in entries)
+            self._puts_since_scan = 0
+            evicted = 0
+            if total > self.capacity_bytes:
+                target = int(self.capacity_bytes * LOW_WATERMARK)
+                protected = self._protected_keys(time.time())
+                for _, size, p in sorted(entries):
+                    if total <= target:
+                        break
+                    rel = p.relative_to(self._chunks)
+                    key = f"{rel.parts[0]}/{rel.parts[-1]}"
+                    if key in protected:
+                        continue
+                    p.unlink(missing_ok=True)
+                    total -= size
+                    evicted += 1
+            self._size_estimate = total
+            return evicted
+
+    def close(self) -> None:
+        return
+
+
+# Lua scripts: each runs atomically on the server, with the server's clock.
+_LUA_PUT = """
+local ns = KEYS[1]
+local key = ARGV[1]
+local ck = ns .. ':c:' .. key
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+if redis.call('EXISTS', ck) == 1 then
+  return 0
+end
+redis.call('SET', ck, ARGV[2])
+redis.call('ZADD', ns .. ':lru', now, key)
+local total = redis.call('INCRBY', ns .. ':bytes', string.len(ARGV[2]))
+local cap = tonumber(ARGV[3])
+local evicted = 0
+if total > cap then
+  local target = math.floor(cap * tonumber(ARGV[4]))
+  local cursor = 0
+  while total > target do
+    local batch = redis.call('ZRANGE', ns .. ':lru', cursor, cursor + 63)
+    if #batch == 0 then break end
+    for _, k in ipairs(batch) do
+      if total <= target then break end
+      local lk = ns .. ':l:' .. k
+      if redis.call('ZCOUNT', lk, now, '+inf') > 0 then
+        cursor = cursor + 1
+      else
+        local kk = ns .. ':c:' .. k
+        total = total - redis.call('STRLEN', kk)
+        redis.call('DEL', kk, lk)
+        redis.call('ZREM', ns .. ':lru', k)
+        evicted = evicted + 1
+      end
+    end
+  end
+  redis.call('SET', ns .. ':bytes', total)
+end
+return evicted
+"""
+
+_LUA_GET = """
+local ns = KEYS[1]
+local key = ARGV[1]
+local v = redis.call('GET', ns .. ':c:' .. key)
+if v then
+  local t = redis.call('TIME')
+  redis.call('ZADD', ns .. ':lru', t[1] * 1000 + math.floor(t[2] / 1000), key)
+end
+return v
+"""
+
+_LUA_DELETE = """
+local ns = KEYS[1]
+local ck = ns .. ':c:' .. ARGV[1]
+local n = redis.call('STRLEN', ck)
+if redis.call('DEL', ck) == 1 then
+  redis.call('DECRBY', ns .. ':bytes', n)
+end
+redis.call('ZREM', ns .. ':lru', ARGV[1])
+return 0
+"""
+
+_LUA_LEASE = """
+local ns = KEYS[1]
+local lease_id = ARGV[1]
+local ttl_ms = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local n = 0
+for i = 3, #ARGV do
+  local key = ARGV[i]
+  if redis.call('EXISTS', ns .. ':c:' .. key) == 0 then break end
+  local lk = ns .. ':l:' .. key
+  redis.call('ZREMRANGEBYSCORE', lk, '-inf', now - 1)
+  redis.call('ZADD', lk, now + ttl_ms, lease_id)
+  if redis.call('PTTL', lk) < ttl_ms then redis.call('PEXPIRE', lk, ttl_ms) end
+  n = n + 1
+end
+return n
+"""
+
+_LUA_RELEASE = """
+local ns = KEYS[1]
+for i = 2, #ARGV do
+  redis.call('ZREM', ns .. ':l:' .. ARGV[i], ARGV[1])
+end
+return 0
+"""
+
+
+class RedisBackend:
+    """Chunks in a Redis server, shared by every process that uses the same
+    URL and namespace.
+
+    Keys: ``<ns>:c:<key>`` (the chunk), ``<ns>:lru`` (sorted set, last use in
+    server milliseconds), ``<ns>:bytes`` (total chunk bytes), ``<ns>:l:<key>``
+    (sorted set of lease ids scored by their expiry). Every operation that
+    reads and writes more than one of them is one Lua script, so it is atomic
+    against other clients. Do not combine with a Redis ``maxmemory`` eviction
+    policy: that would evict leased chunks.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        capacity_bytes: int,
+        timeout_s: float = 2.0,
+    ) -> None:
+        import redis
+
+        self._redis_mod = redis
+        self.namespace = namespace
+        self.capacity_bytes = capacity_bytes
+        self._client: Any = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._put = self._client.register_script(_LUA_PUT)
+        self._get = self._client.register_script(_LUA_GET)
+        self._delete = self._client.register_script(_LUA_DELETE)
+        self._lease = self._client.register_script(_LUA_LEASE)
+        self._release = self._client.register_script(_LUA_RELEASE)
+
+    def ping(self) -> None:
+        self._call(self._client.ping)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (
+            self._redis_mod.exceptions.ConnectionError,
+            self._redis_mod.exceptions.TimeoutError,
+        ) as e:
+            raise BackendUnavailable(f"redis: {e}") from e
+
+    def put(self, key: str, data: bytes) -> int:
+        return int(
+            self._call(
+                self._put,
+                keys=[self.namespace],
+                args=[key, data, self.capacity_bytes, LOW_WATERMARK],
+            )
+        )
+
+    def get(self, key: str) -> bytes | None:
+        value = self._call(self._get, keys=[self.namespace], args=[key])
+        return None if value is None else bytes(value)
+
+    def delete(self, key: str) -> None:
+        self._call(self._delete, keys=[self.namespace], args=[key])
+
+    def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        if not keys:
+            return 0
+        ttl_ms = max(1, int(ttl_s * 1000))
+        return int(
+            self._call(
+                self._lease, keys=[self.namespace], args=[lease_id, ttl_ms, *keys]
+            )
+        )
+
+    def release(self, keys: Sequence[str], lease_id: str) -> None:
+        if keys:
+            self._call(self._release, keys=[self.namespace], args=[lease_id, *keys])
+
+    def num_bytes(self) -> int:
+        value = self._call(self._client.get, f"{self.namespace}:bytes")
+        return int(value or 0)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()

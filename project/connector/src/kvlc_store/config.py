@@ -1,0 +1,226 @@
+"""The connector's settings, from ``kv_connector_extra_config``, validated once.
+
+``parse_config`` checks every key and value (and that the store is usable: the
+directory writable, Redis answering) and raises one ``ValueError`` listing
+each problem with the key it concerns and how to fix it, before anything is
+created.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = "kv_connector_extra_config"
+
+DEFAULT_CAPACITY = 8 * 1024**3
+DEFAULT_LEASE_TTL_S = 60.0
+DEFAULT_NAMESPACE = "kvlc"
+DEFAULT_REDIS_TIMEOUT_S = 2.0
+
+_KEYS = {
+    "backend": "'directory' (default) or 'redis'",
+    "path": "the store directory (directory backend; created if missing)",
+    "redis_url": "redis://host:port/db (redis backend)",
+    "namespace": "prefix of every Redis key (redis backend)",
+    "capacity": "store size cap, bytes or a size like '8GiB'",
+    "lease_ttl_s": "seconds a lease lives if never released",
+    "verify_on_lookup": "checksum chunks when offering them (true/false)",
+    "redis_timeout_s": "Redis connect/read timeout in seconds",
+}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    backend: str
+    path: Path | None
+    redis_url: str | None
+    namespace: str
+    capacity_bytes: int
+    lease_ttl_s: float
+    verify_on_lookup: bool
+    redis_timeout_s: float
+
+
+def parse_size(value: object) -> int | None:
+    """Bytes from an int or a string like '512MiB'; None if not a size."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            unit = (m.group(2) or "b").lower()
+            return int(float(m.group(1)) * _UNITS[unit])
+    return None
+
+
+def _bool(value: object) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return None
+
+
+def _positive_float(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        f = float(value)
+    except ValueError:
+        return None
+    return f if f > 0 else None
+
+
+def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> StoreConfig:
+    """Validate ``extra`` (the connector's ``kv_connector_extra_config``).
+
+    With ``check_store`` the store itself is checked too: the directory can be
+    created and written, Redis answers a PING.
+    """
+    problems: list[str] = []
+
+    def bad(key: str, value: object, fix: str) -> None:
+        problems.append(f"{PREFIX}[{key!r}] = {value!r}: {fix}")
+
+    for key in extra:
+        if key not in _KEYS:
+            close = difflib.get_close_matches(str(key), list(_KEYS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            bad(
+                str(key),
+                extra[key],
+                f"unknown key; {hint}known keys: {', '.join(sorted(_KEYS))}",
+            )
+
+    backend = extra.get("backend", "directory")
+    if backend not in ("directory", "redis"):
+        bad("backend", backend, "set it to 'directory' or 'redis'")
+
+    capacity = parse_size(extra.get("capacity", DEFAULT_CAPACITY))
+    if capacity is None or capacity <= 0:
+        bad(
+            "capacity",
+            extra.get("capacity"),
+            "set a positive size in bytes or like '8GiB'",
+        )
+        capacity = DEFAULT_CAPACITY
+
+    ttl = _positive_float(extra.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
+    if ttl is None:
+        bad("lease_ttl_s", extra.get("lease_ttl_s"), "set a positive number of seconds")
+        ttl = DEFAULT_LEASE_TTL_S
+
+    timeout = _positive_float(extra.get("redis_timeout_s", DEFAULT_REDIS_TIMEOUT_S))
+    if timeout is None:
+        bad(
+            "redis_timeout_s",
+            extra.get("redis_timeout_s"),
+            "set a positive number of seconds",
+        )
+        timeout = DEFAULT_REDIS_TIMEOUT_S
+
+    verify = _bool(extra.get("verify_on_lookup", True))
+    if verify is None:
+        bad("verify_on_lookup", extra.get("verify_on_lookup"), "set true or false")
+        verify = True
+
+    namespace = extra.get("namespace", DEFAULT_NAMESPACE)
+    if not isinstance(namespace, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
+        bad("namespace", namespace, "use letters, digits, '_', '.', '-' only")
+        namespace = DEFAULT_NAMESPACE
+
+    path: Path | None = None
+    redis_url: str | None = None
+    if backend == "directory":
+        if "redis_url" in extra:
+            bad("redis_url", extra["redis_url"], "remove it, or set backend 'redis'")
+        raw = extra.get("path")
+        if not isinstance(raw, str) or not raw:
+            bad("path", raw, "set the directory the store keeps its chunks in")
+        else:
+            path = Path(raw).expanduser().resolve()
+            if check_store:
+                problem = _check_directory(path)
+                if problem:
+                    bad("path", raw, problem)
+    elif backend == "redis":
+        if "path" in extra:
+            bad("path", extra["path"], "remove it, or set backend 'directory'")
+        raw = extra.get("redis_url")
+        if not isinstance(raw, str) or not raw.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            bad("redis_url", raw, "set a URL like 'redis://127.0.0.1:6379/0'")
+        else:
+            redis_url = raw
+            if check_store and not problems:
+                problem = _check_redis(raw, namespace, timeout)
+                if problem:
+                    bad("redis_url", raw, problem)
+
+    if problems:
+        raise ValueError(
+            "StoreConnector: invalid configuration:\n  " + "\n  ".join(problems)
+        )
+    return StoreConfig(
+        backend=str(backend),
+        path=path,
+        redis_url=redis_url,
+        namespace=namespace,
+        capacity_bytes=capacity,
+        lease_ttl_s=ttl,
+        verify_on_lookup=verify,
+        redis_timeout_s=timeout,
+    )
+
+
+def _check_directory(path: Path) -> str | None:
+    if path.exists() and not path.is_dir():
+        return "exists and is not a directory; point it at a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path, prefix=".probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"cannot create or write it ({e.strerror}); use a writable directory"
+    return None
+
+
+def _check_redis(url: str, namespace: str, timeout: float) -> str | None:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "the 'redis' Python package is missing; pip install redis"
+    from kvlc_store.backends import BackendUnavailable, RedisBackend
+
+    backend = RedisBackend(url, namespace, 1, timeout_s=timeout)
+    try:
+        backend.ping()
+    except BackendUnavailable as e:
+        return f"Redis does not answer ({e}); start redis-server or fix the URL"
+    finally:
+        backend.close()
+    return None
