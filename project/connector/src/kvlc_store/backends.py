@@ -31,9 +31,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 LOW_WATERMARK = 0.9
-# Directory backend: rescan the real store size at least every this many puts
-# (other processes write to it too).
-RESCAN_EVERY_PUTS = 32
 
 
 class BackendUnavailable(Exception):
@@ -85,7 +82,8 @@ class DirectoryBackend:
     Layout: ``chunks/<identity>/<hh>/<hash>.<rank>`` (``hh`` the hash's first
     two hex digits), ``leases/<lease id>`` (one line per leased key; the
     file's mtime plus the TTL in its first line is its expiry), ``tmp/``
-    (writes in progress) and ``.lock`` (held while leasing or evicting).
+    (writes in progress), ``size`` (total chunk bytes, kept under the lock)
+    and ``.lock`` (held while leasing, counting or evicting).
 
     A write goes to ``tmp/``, is fsynced and renamed into place, so a crash
     never leaves a readable partial chunk; leftovers in ``tmp/`` are removed
@@ -103,8 +101,10 @@ class DirectoryBackend:
             d.mkdir(parents=True, exist_ok=True)
         self._lock_path = root / ".lock"
         self._lock_path.touch(exist_ok=True)
-        self._size_estimate = self._scan_size()
-        self._puts_since_scan = 0
+        self._size_path = root / "size"
+        if not self._size_path.exists():
+            with self._locked():
+                self._write_size(self._scan_size())
         self._clean_tmp()
 
     # -- paths ------------------------------------------------------------
@@ -158,14 +158,12 @@ class DirectoryBackend:
             raise
         os.close(fd)
         os.replace(tmp, path)
-        self._size_estimate += len(data)
-        self._puts_since_scan += 1
-        if (
-            self._size_estimate > self.capacity_bytes
-            or self._puts_since_scan >= RESCAN_EVERY_PUTS
-        ):
+        with self._locked():
+            total = self._read_size() + len(data)
+            if total <= self.capacity_bytes:
+                self._write_size(total)
+                return 0
             return self._evict()
-        return 0
 
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
@@ -178,10 +176,31 @@ class DirectoryBackend:
         return data
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        with self._locked():
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return
+            self._write_size(max(0, self._read_size() - size))
 
     def num_bytes(self) -> int:
         return self._scan_size()
+
+    # The running total of chunk bytes, shared by every process (a file
+    # updated under the lock; eviction rescans and rewrites it).
+
+    def _read_size(self) -> int:
+        try:
+            return int(self._size_path.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return self._scan_size()
+
+    def _write_size(self, total: int) -> None:
+        tmp = self._size_path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(str(total))
+        os.replace(tmp, self._size_path)
 
     def _scan_size(self) -> int:
         total = 0
@@ -239,32 +258,31 @@ class DirectoryBackend:
         return protected
 
     def _evict(self) -> int:
-        with self._locked():
-            entries: list[tuple[float, int, Path]] = []
-            for p in self._iter_chunk_files():
-                try:
-                    st = p.stat()
-                except FileNotFoundError:
+        """Evict down to the low watermark; the caller holds the lock."""
+        entries: list[tuple[float, int, Path]] = []
+        for p in self._iter_chunk_files():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        evicted = 0
+        if total > self.capacity_bytes:
+            target = int(self.capacity_bytes * LOW_WATERMARK)
+            protected = self._protected_keys(time.time())
+            for _, size, p in sorted(entries):
+                if total <= target:
+                    break
+                rel = p.relative_to(self._chunks)
+                key = f"{rel.parts[0]}/{rel.parts[-1]}"
+                if key in protected:
                     continue
-                entries.append((st.st_mtime, st.st_size, p))
-            total = sum(size for _, size, _ in entries)
-            self._puts_since_scan = 0
-            evicted = 0
-            if total > self.capacity_bytes:
-                target = int(self.capacity_bytes * LOW_WATERMARK)
-                protected = self._protected_keys(time.time())
-                for _, size, p in sorted(entries):
-                    if total <= target:
-                        break
-                    rel = p.relative_to(self._chunks)
-                    key = f"{rel.parts[0]}/{rel.parts[-1]}"
-                    if key in protected:
-                        continue
-                    p.unlink(missing_ok=True)
-                    total -= size
-                    evicted += 1
-            self._size_estimate = total
-            return evicted
+                p.unlink(missing_ok=True)
+                total -= size
+                evicted += 1
+        self._write_size(total)
+        return evicted
 
     def close(self) -> None:
         return

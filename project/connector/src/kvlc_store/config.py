@@ -147,7 +147,9 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         verify = True
 
     namespace = extra.get("namespace", DEFAULT_NAMESPACE)
-    if not isinstance(namespace, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
+    if not isinstance(namespace, str) or not re.fullmatch(
+        r"[A-Za-z0-9_.-]+", namespace
+    ):
         bad("namespace", namespace, "use letters, digits, '_', '.', '-' only")
         namespace = DEFAULT_NAMESPACE
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import warnings
 from collections.abc import Iterable, Sequence
@@ -43,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -78,12 +78,13 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-try:  # Stack entry 2: the explicit external-match lifecycle.
-    from vllm.distributed.kv_transfer.kv_connector.v1.external_match import (
-        ExternalKVMatch,
-    )
-except ImportError:  # pragma: no cover - depends on the installed vLLM
-    ExternalKVMatch = None  # type: ignore[assignment,misc]
+# Stack entry 2 (the explicit external-match lifecycle), when installed.
+try:
+    ExternalKVMatch: Any = importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.external_match"
+    ).ExternalKVMatch
+except ImportError:
+    ExternalKVMatch = None
 
 HAS_LIFECYCLE = hasattr(KVConnectorBase_V1, "prepare_external_match")
 HAS_WORKER_HITS = hasattr(KVConnectorBase_V1, "before_update_states")
@@ -237,7 +238,9 @@ class StoreConnector(KVConnectorBase_V1):
         self._stats.inc("store_errors")
         if not self._store_down:
             self._store_down = True
-            logger.warning("StoreConnector: store unreachable, running on misses: %s", e)
+            logger.warning(
+                "StoreConnector: store unreachable, running on misses: %s", e
+            )
 
     def _available(self) -> None:
         if self._store_down:
@@ -295,7 +298,9 @@ class StoreConnector(KVConnectorBase_V1):
     def _max_blocks(self, request: Request) -> int:
         # The last prompt token is always computed (it yields the first
         # sampled token), so a hit never covers it.
-        return min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
+        return min(
+            len(request.block_hashes), (request.num_tokens - 1) // self._block_size
+        )
 
     def _offer(self, request: Request, num_computed_tokens: int) -> Offer | None:
         """Lease the stored blocks after ``num_computed_tokens``; None if none."""
@@ -421,7 +426,9 @@ class StoreConnector(KVConnectorBase_V1):
         if isinstance(offer, Offer):
             self._abort(offer)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
         meta = StoreMetadata(loads=self._loads)
         self._loads = []
         loading = {spec.req_id for spec in meta.loads}
@@ -453,7 +460,9 @@ class StoreConnector(KVConnectorBase_V1):
                 for i in range(max(saved, 0), min(done, len(block_ids))):
                     if i < loaded:
                         continue  # Read from the store: already there.
-                    meta.saves.append(SaveSpec(block_ids[i], self._keys(request.block_hashes[i])))
+                    meta.saves.append(
+                        SaveSpec(block_ids[i], self._keys(request.block_hashes[i]))
+                    )
                 self._saved_until[req_id] = done
             # Worker-side lookup: blocks of a new prompt not found (or not
             # looked up) when this step was scheduled.
@@ -464,7 +473,9 @@ class StoreConnector(KVConnectorBase_V1):
                 and num_computed % bs == 0
             ):
                 start = num_computed // bs
-                end = min(self._max_blocks(request), (num_computed + scheduled - 1) // bs)
+                end = min(
+                    self._max_blocks(request), (num_computed + scheduled - 1) // bs
+                )
                 if end > start:
                     if block_ids is None:
                         block_ids = self._block_ids(req_id)
@@ -538,7 +549,7 @@ class StoreConnector(KVConnectorBase_V1):
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer
             flat = torch.frombuffer(payload, dtype=torch.uint8)
         offset = 0
-        for view, size in zip(views, sizes):
+        for view, size in zip(views, sizes, strict=False):
             src = flat[offset : offset + size].view(view.dtype).view(view.shape)
             view.copy_(src, non_blocking=True)
             offset += size
@@ -579,7 +590,9 @@ class StoreConnector(KVConnectorBase_V1):
             if n == 0:
                 continue
             self._worker_loads.append(
-                LoadSpec(probe.req_id, lease_id, probe.block_ids[:n], [[k] for k in keys[:n]])
+                LoadSpec(
+                    probe.req_id, lease_id, probe.block_ids[:n], [[k] for k in keys[:n]]
+                )
             )
             hits[probe.req_id] = n * self._block_size
         return hits
@@ -589,7 +602,7 @@ class StoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, StoreMetadata)
         for spec in meta.loads:
             keys = [keys[self._rank] for keys in spec.keys]
-            for block_id, key in zip(spec.block_ids, keys):
+            for block_id, key in zip(spec.block_ids, keys, strict=False):
                 if not self._load_block(block_id, key):
                     self._load_errors.add(block_id)
                     self._stats.inc("load_errors")
@@ -599,7 +612,7 @@ class StoreConnector(KVConnectorBase_V1):
         for spec in worker_loads:
             keys = [k[0] for k in spec.keys]
             loaded = 0
-            for block_id, key in zip(spec.block_ids, keys):
+            for block_id, key in zip(spec.block_ids, keys, strict=False):
                 # A failure here only costs a recompute if the runner applied
                 # fewer hits; report it like any load error.
                 if self._load_block(block_id, key):

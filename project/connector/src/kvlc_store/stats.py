@@ -91,20 +91,22 @@ class StorePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for name, doc in COUNTERS.items():
-            metric = self._counter_cls(
+            counter_cls: Any = self._counter_cls
+            metric = counter_cls(
                 name=f"vllm:kvlc_store_{name}", documentation=doc, labelnames=labelnames
             )
             self._counters[name] = {
                 idx: metric.labels(*values)
                 for idx, values in per_engine_labelvalues.items()
             }
-        gauge = self._gauge_cls(
+        gauge_cls: Any = self._gauge_cls
+        gauge = gauge_cls(
             name="vllm:kvlc_store_leases_open",
             documentation="Leases taken and not yet released.",
             multiprocess_mode="livesum",
             labelnames=labelnames,
         )
-        self._leases_open = {
+        self._leases_open: dict[int, Any] = {
             idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
         }
 

@@ -1,0 +1,299 @@
+"""StoreConnector's store without an engine: chunk integrity, both backends
+(LRU cap, leases, atomic writes), config validation and stats.
+
+Needs the ``kvlc-store-connector`` package (``project/connector``) and
+Debian's ``redis-server`` for the Redis cases.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvlc_store.backends import (
+    Backend,
+    BackendUnavailable,
+    DirectoryBackend,
+    RedisBackend,
+    new_lease_id,
+)
+from kvlc_store.chunk import ChunkError, decode_chunk, encode_chunk
+from kvlc_store.config import parse_config, parse_size
+from redis_server import RedisServer, free_port, running_redis
+
+IDENT = "ident0"
+
+
+def key(i: int) -> str:
+    return f"{IDENT}/{i:064x}.0"
+
+
+# ---------------------------------------------------------------- chunks
+
+
+def test_chunk_round_trip():
+    payload = os.urandom(1000)
+    data = encode_chunk(IDENT, key(1), payload)
+    assert bytes(decode_chunk(data, IDENT, key(1))) == payload
+
+
+@pytest.mark.parametrize(
+    "mangle, reason",
+    [
+        (lambda d: d[:-1], "truncated payload"),
+        (lambda d: d[:20], "truncated header"),
+        (lambda d: d[:-10] + bytes(10), "checksum mismatch"),
+        (lambda d: b"XXXXXXXX" + d[8:], "bad magic"),
+        (lambda d: b"", "bad magic"),
+    ],
+)
+def test_chunk_damage_is_detected(mangle, reason):
+    data = encode_chunk(IDENT, key(1), os.urandom(1000))
+    with pytest.raises(ChunkError, match=reason):
+        decode_chunk(mangle(data), IDENT, key(1))
+
+
+def test_chunk_of_another_identity_or_key_is_refused():
+    data = encode_chunk("other-model", key(1), b"x" * 10)
+    with pytest.raises(ChunkError, match="foreign chunk"):
+        decode_chunk(data, IDENT, key(1))
+    data = encode_chunk(IDENT, key(2), b"x" * 10)
+    with pytest.raises(ChunkError, match="expected"):
+        decode_chunk(data, IDENT, key(1))
+
+
+# ---------------------------------------------------------------- backends
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+CAP = 10_000
+
+
+@pytest.fixture(params=["directory", "redis"])
+def make_backend(request, tmp_path: Path):
+    """A factory of backends on one fresh store (several = several processes)."""
+    made: list[Backend] = []
+    namespace = f"t{time.monotonic_ns()}"
+
+    def make(capacity: int = CAP) -> Backend:
+        backend: Backend
+        if request.param == "directory":
+            backend = DirectoryBackend(tmp_path / "store", capacity)
+        else:
+            server = request.getfixturevalue("redis_server")
+            backend = RedisBackend(server.url, namespace, capacity)
+        made.append(backend)
+        return backend
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def test_put_get_delete(make_backend):
+    b = make_backend()
+    assert b.get(key(1)) is None
+    assert b.put(key(1), b"abc") == 0
+    assert b.get(key(1)) == b"abc"
+    # A second put of a stored key changes nothing.
+    assert b.put(key(1), b"zzz") == 0
+    assert b.get(key(1)) == b"abc"
+    b.delete(key(1))
+    assert b.get(key(1)) is None
+    assert b.num_bytes() == 0
+
+
+def test_lru_eviction_keeps_store_under_cap(make_backend):
+    b = make_backend()
+    for i in range(5):
+        b.put(key(i), bytes(2000))
+        time.sleep(0.01)
+    b.get(key(0))  # a use: key 0 is now the most recent
+    time.sleep(0.01)
+    evicted = b.put(key(5), bytes(2000))  # 12000 > cap: evict to <= 9000
+    assert evicted == 2
+    assert b.num_bytes() <= CAP
+    assert b.get(key(0)) is not None
+    assert b.get(key(1)) is None and b.get(key(2)) is None
+    assert all(b.get(key(i)) is not None for i in (3, 4, 5))
+
+
+def test_lease_protects_from_eviction_until_released(make_backend):
+    b, other = make_backend(), make_backend()
+    for i in range(4):
+        b.put(key(i), bytes(2000))
+        time.sleep(0.01)
+    lease = new_lease_id()
+    # The leading run of stored keys: 0, 1 (key 9 is not stored).
+    assert b.lease([key(0), key(1), key(9), key(2)], lease, ttl_s=60) == 2
+    # Another process fills the store: the leased oldest chunks survive.
+    for i in range(4, 8):
+        other.put(key(i), bytes(2000))
+        time.sleep(0.01)
+    assert b.get(key(0)) is not None and b.get(key(1)) is not None
+    assert other.num_bytes() <= CAP
+    b.release([key(0), key(1)], lease)
+    time.sleep(0.01)
+    for i in range(8, 12):
+        other.put(key(i), bytes(2000))
+        time.sleep(0.01)
+    assert b.get(key(0)) is None and b.get(key(1)) is None
+
+
+def test_expired_lease_no_longer_protects(make_backend):
+    b = make_backend()
+    b.put(key(0), bytes(4000))
+    time.sleep(0.01)
+    assert b.lease([key(0)], new_lease_id(), ttl_s=0.2) == 1
+    time.sleep(0.5)  # the holder "died": never released
+    for i in range(1, 4):
+        b.put(key(i), bytes(4000))
+        time.sleep(0.01)
+    assert b.get(key(0)) is None
+
+
+def test_all_leased_store_may_exceed_cap_but_never_drops_leased(make_backend):
+    b = make_backend()
+    b.put(key(0), bytes(6000))
+    assert b.lease([key(0)], new_lease_id(), ttl_s=60) == 1
+    b.put(key(1), bytes(6000))  # over the cap; only key 1 is evictable
+    assert b.get(key(0)) is not None
+
+
+def test_directory_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    b = DirectoryBackend(tmp_path / "store", CAP)
+    real_write = os.write
+
+    def crash_midway(fd: int, data) -> int:
+        real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "write", crash_midway)
+    with pytest.raises(OSError):
+        b.put(key(1), bytes(1000))
+    monkeypatch.undo()
+    assert b.get(key(1)) is None
+    assert list((tmp_path / "store" / "tmp").iterdir()) == []
+    # A leftover from a killed writer (older than a minute) is cleaned on open.
+    stale = tmp_path / "store" / "tmp" / "dead.part"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 120, time.time() - 120))
+    DirectoryBackend(tmp_path / "store", CAP)
+    assert not stale.exists()
+
+
+def test_redis_down_raises_backend_unavailable():
+    b = RedisBackend(f"redis://127.0.0.1:{free_port()}/0", "x", CAP, timeout_s=0.5)
+    with pytest.raises(BackendUnavailable):
+        b.get(key(1))
+    with pytest.raises(BackendUnavailable):
+        b.lease([key(1)], new_lease_id(), 10)
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_defaults(tmp_path: Path):
+    c = parse_config({"path": str(tmp_path / "s")})
+    assert c.backend == "directory" and c.path == tmp_path / "s"
+    assert (tmp_path / "s").is_dir()
+    assert c.verify_on_lookup and c.capacity_bytes == 8 * 2**30
+
+
+def test_config_unknown_key_names_it_and_suggests(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"\['capacty'\].*did you mean 'capacity'"):
+        parse_config({"path": str(tmp_path), "capacty": "1GiB"})
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({}, r"\['path'\] = None: set the directory"),
+        ({"backend": "s3", "path": "x"}, r"\['backend'\] = 's3': set it to"),
+        ({"path": "P", "capacity": "lots"}, r"\['capacity'\] = 'lots'"),
+        ({"path": "P", "capacity": -1}, r"\['capacity'\] = -1"),
+        ({"path": "P", "lease_ttl_s": 0}, r"\['lease_ttl_s'\] = 0"),
+        ({"path": "P", "verify_on_lookup": "yes"}, r"\['verify_on_lookup'\]"),
+        ({"backend": "redis"}, r"\['redis_url'\] = None: set a URL"),
+        ({"backend": "redis", "redis_url": "r", "path": "P"}, r"\['path'\].*remove"),
+    ],
+)
+def test_config_bad_values(tmp_path: Path, extra, message):
+    extra = {k: (str(tmp_path) if v == "P" else v) for k, v in extra.items()}
+    with pytest.raises(ValueError, match=message):
+        parse_config(extra)
+
+
+def test_config_path_that_is_a_file(tmp_path: Path):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"\['path'\].*not a directory"):
+        parse_config({"path": str(f)})
+
+
+def test_config_unwritable_path(tmp_path: Path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores the mode bits
+            target = Path("/proc/kvlc-store-test")
+        else:
+            target = ro / "store"
+        with pytest.raises(ValueError, match=r"\['path'\].*cannot create or write"):
+            parse_config({"path": str(target)})
+    finally:
+        ro.chmod(0o700)
+
+
+def test_config_unreachable_redis():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ValueError, match=r"\['redis_url'\].*does not answer"):
+        parse_config({"backend": "redis", "redis_url": url, "redis_timeout_s": 0.5})
+
+
+def test_config_reachable_redis(redis_server: RedisServer):
+    c = parse_config({"backend": "redis", "redis_url": redis_server.url})
+    assert c.redis_url == redis_server.url and c.path is None
+
+
+def test_config_lists_every_problem_in_one_error(tmp_path: Path):
+    with pytest.raises(ValueError) as e:
+        parse_config({"path": str(tmp_path), "a": 1, "lease_ttl_s": "x"})
+    assert "['a']" in str(e.value) and "['lease_ttl_s']" in str(e.value)
+
+
+def test_parse_size():
+    assert parse_size("1GiB") == 2**30
+    assert parse_size("512 MB") == 512 * 10**6
+    assert parse_size(42) == 42
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("lots") is None and parse_size(True) is None
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_stats_sum_take_and_reduce():
+    from kvlc_store.stats import StoreConnectorStats
+
+    a, b = StoreConnectorStats(), StoreConnectorStats()
+    assert a.is_empty() and a.take() is None
+    a.inc("lookups", 2)
+    b.inc("lookups")
+    b.inc("evictions", 3)
+    total = a.aggregate(b)
+    assert total.reduce() == {"evictions": 3, "lookups": 3}
+    taken = a.take()
+    assert taken is not None and taken.data == {"lookups": 3, "evictions": 3}
+    assert a.is_empty()
+    with pytest.raises(KeyError):
+        a.inc("nonsense")
