@@ -33,7 +33,12 @@ _KEYS = {
     "lease_ttl_s": "seconds a lease lives if never released",
     "verify_on_lookup": "checksum chunks when offering them (true/false)",
     "redis_timeout_s": "Redis connect/read timeout in seconds",
+    "scheduler_lookup": "look up prompts when scheduling (true/false; false "
+    "leaves every hit to the workers' before_update_states)",
 }
+
+# Keys of kv_connector_extra_config that vLLM itself reads: allowed, ignored.
+VLLM_KEYS = frozenset({"check_external_match_lifecycle"})
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -59,6 +64,7 @@ class StoreConfig:
     lease_ttl_s: float
     verify_on_lookup: bool
     redis_timeout_s: float
+    scheduler_lookup: bool
 
 
 def parse_size(value: object) -> int | None:
@@ -105,7 +111,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         problems.append(f"{PREFIX}[{key!r}] = {value!r}: {fix}")
 
     for key in extra:
-        if key not in _KEYS:
+        if key not in _KEYS and key not in VLLM_KEYS:
             close = difflib.get_close_matches(str(key), list(_KEYS), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             bad(
@@ -145,6 +151,11 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
     if verify is None:
         bad("verify_on_lookup", extra.get("verify_on_lookup"), "set true or false")
         verify = True
+
+    scheduler_lookup = _bool(extra.get("scheduler_lookup", True))
+    if scheduler_lookup is None:
+        bad("scheduler_lookup", extra.get("scheduler_lookup"), "set true or false")
+        scheduler_lookup = True
 
     namespace = extra.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not re.fullmatch(
@@ -195,6 +206,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         lease_ttl_s=ttl,
         verify_on_lookup=verify,
         redis_timeout_s=timeout,
+        scheduler_lookup=scheduler_lookup,
     )
 
 

@@ -88,6 +88,7 @@ except ImportError:
 
 HAS_LIFECYCLE = hasattr(KVConnectorBase_V1, "prepare_external_match")
 HAS_WORKER_HITS = hasattr(KVConnectorBase_V1, "before_update_states")
+HAS_SCHEDULER_CONTEXT = hasattr(KVConnectorBase_V1, "bind_scheduler_context")
 
 
 def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
@@ -192,6 +193,12 @@ class StoreConnector(KVConnectorBase_V1):
                 "StoreConnector does not support pipeline parallelism; "
                 "set --pipeline-parallel-size 1"
             )
+        if not self._config.scheduler_lookup and not HAS_WORKER_HITS:
+            raise ValueError(
+                "StoreConnector: kv_connector_extra_config['scheduler_lookup'] = "
+                "False needs a vLLM with KVConnectorBase_V1.before_update_states "
+                "(the kvlc patch stack); set it to true"
+            )
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._identity = store_identity(vllm_config, kv_cache_config)
@@ -201,6 +208,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._store_down = False
 
         # Scheduler side.
+        self._scheduler_context: Any = None
         self._requests: dict[str, Request] = {}
         self._pending: dict[str, Offer] = {}  # legacy path: offered, not taken
         self._loads: list[LoadSpec] = []
@@ -214,11 +222,14 @@ class StoreConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._worker_loads: list[LoadSpec] = []
         logger.info(
-            "StoreConnector (%s) on %s backend, identity %s, lifecycle=%s",
+            "StoreConnector (%s) on %s backend, identity %s; stack hooks: "
+            "lifecycle=%s before_update_states=%s scheduler_context=%s",
             role.name,
             self._config.backend,
             self._identity,
             HAS_LIFECYCLE,
+            HAS_WORKER_HITS,
+            HAS_SCHEDULER_CONTEXT,
         )
 
     # ------------------------------------------------------------------
@@ -305,6 +316,8 @@ class StoreConnector(KVConnectorBase_V1):
     def _offer(self, request: Request, num_computed_tokens: int) -> Offer | None:
         """Lease the stored blocks after ``num_computed_tokens``; None if none."""
         self._requests.setdefault(request.request_id, request)
+        if not self._config.scheduler_lookup:
+            return None
         self._stats.inc("lookups")
         if num_computed_tokens % self._block_size:
             return None
@@ -337,22 +350,29 @@ class StoreConnector(KVConnectorBase_V1):
         return Offer(lease_id, start, per_block[:num_blocks])
 
     def _verified_prefix(self, per_block: Sequence[Sequence[str]]) -> int:
-        """How many leading blocks have every rank's chunk whole and ours."""
+        """How many leading blocks have every rank's chunk whole and ours.
+
+        Checks every block, past a bad one too: each corrupt chunk found is
+        deleted now, so the request's own save (its blocks from the first bad
+        one on are computed) writes it again.
+        """
+        good = len(per_block)
         for i, keys in enumerate(per_block):
             for key in keys:
                 try:
                     data = self._backend.get(key)
                 except BackendUnavailable as e:
                     self._unavailable(e)
-                    return i
+                    return min(good, i)
                 if data is None:
-                    return i
+                    good = min(good, i)
+                    continue
                 try:
                     decode_chunk(data, self._identity, key)
                 except ChunkError as e:
                     self._bad_chunk(key, e)
-                    return i
-        return len(per_block)
+                    good = min(good, i)
+        return good
 
     def _commit(
         self, request: Request, block_ids: Sequence[int], offer: Offer, accepted: int
@@ -488,7 +508,13 @@ class StoreConnector(KVConnectorBase_V1):
                     )
         return meta
 
+    def bind_scheduler_context(self, scheduler_context: Any) -> None:
+        """Stack entry 3: the scheduler's typed view of its KV cache."""
+        self._scheduler_context = scheduler_context
+
     def _block_ids(self, req_id: str) -> list[int]:
+        if self._scheduler_context is not None:
+            return list(self._scheduler_context.get_request_block_ids(req_id)[0])
         manager = self._kv_cache_manager
         if manager is None:
             return []

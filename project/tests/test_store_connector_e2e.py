@@ -1,0 +1,255 @@
+"""StoreConnector end to end: ``vllm serve`` on the CPU build, real HTTP.
+
+Three servers on the demo model, started together (one engine start costs
+about a minute on two cores) and shared by the tests of this module:
+
+* ``dir``: directory backend with a small cap (a few prompts' worth);
+* ``redis_a`` and ``redis_b``: one Redis store; ``redis_b`` has scheduler
+  lookups off, so every hit it gets is found and loaded by its workers
+  (``before_update_states``), from chunks ``redis_a`` stored.
+
+Local prefix caching is off on every server, so ``cached_tokens`` counts
+only what the connector supplied. Outputs are compared with the same prompt's
+first (miss) answer: identical greedy tokens, logprobs within bf16 noise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+from redis_server import RedisServer
+
+sys.path.insert(0, str(REPO / "project" / "demo"))
+import serve_demo  # noqa: E402
+from kvlc_store.chunk import read_header  # noqa: E402
+from make_model import make_model  # noqa: E402
+
+BLOCK = 128  # CPU block size
+# Chunk = 2 layers x 128 tokens x 1 KV head x (2 x 64) x 2 bytes + header.
+CAP_BYTES = 400_000  # about 6 chunks: the fourth 2-chunk prompt evicts
+
+
+def prompt(tag: str) -> str:
+    """About 370 tokens (two full blocks to store) that differ from the
+    first token on, so every tag has its own block hashes."""
+    return f"{tag} says: " + serve_demo.PROMPT
+
+
+@dataclass
+class Answer:
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Engine:
+    def __init__(self, name: str, server: serve_demo.Server, port: int) -> None:
+        self.name = name
+        self.server = server
+        self.url = f"http://127.0.0.1:{port}"
+
+    def complete(self, text: str) -> Answer:
+        body = {
+            "model": serve_demo.SERVED_NAME,
+            "prompt": text,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+        }
+        reply = json.loads(serve_demo.http(f"{self.url}/v1/completions", body))
+        choice = reply["choices"][0]
+        usage = reply["usage"]
+        return Answer(
+            token_ids=choice["token_ids"],
+            logprobs=choice["logprobs"]["token_logprobs"],
+            prompt_tokens=usage["prompt_tokens"],
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens"
+            )
+            or 0,
+        )
+
+    def metric(self, name: str) -> float:
+        text = serve_demo.http(f"{self.url}/metrics")
+        value = serve_demo.metric_sum(text, name)
+        assert value is not None, f"{name} missing from /metrics of {self.name}"
+        return value
+
+    def store_metrics(self) -> dict[str, float]:
+        text = serve_demo.http(f"{self.url}/metrics")
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:kvlc_store_"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def kv_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "StoreConnector",
+        "kv_connector_module_path": "kvlc_store",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("store-e2e")
+    model = make_model(root / "model")
+    redis = RedisServer(root / "redis")
+    redis.start()
+    configs = {
+        "dir": {"path": str(root / "store"), "capacity": CAP_BYTES},
+        "redis_a": {"backend": "redis", "redis_url": redis.url},
+        "redis_b": {
+            "backend": "redis",
+            "redis_url": redis.url,
+            "scheduler_lookup": False,
+            "redis_timeout_s": 0.5,
+        },
+    }
+    engines: dict[str, Engine] = {}
+    try:
+        for name, extra in configs.items():
+            port = serve_demo.free_port()
+            command = serve_demo.server_command(model, port, kv_config(extra))
+            server = serve_demo.Server(
+                command, serve_demo.server_env(), root / f"{name}.log"
+            )
+            engines[name] = Engine(name, server, port)
+        for engine in engines.values():
+            engine.server.wait_healthy(engine.url, timeout=600)
+        yield {"root": root, "redis": redis, **engines}
+    finally:
+        for engine in engines.values():
+            engine.server.stop()
+        redis.stop()
+
+
+def assert_same_output(hit: Answer, miss: Answer) -> None:
+    assert hit.token_ids == miss.token_ids
+    # A hit prefills fewer tokens in one step, so kernels split the work
+    # differently: bf16 noise, far below any real difference.
+    assert hit.logprobs == pytest.approx(miss.logprobs, abs=1e-2)
+
+
+def test_repeat_hits_and_matches_the_miss(setup):
+    dir_engine: Engine = setup["dir"]
+    before = dir_engine.store_metrics()
+    hits_before = dir_engine.metric("vllm:external_prefix_cache_hits_total")
+    miss = dir_engine.complete(prompt("alpha"))
+    hit = dir_engine.complete(prompt("alpha"))
+    assert miss.cached_tokens == 0
+    assert hit.cached_tokens == 2 * BLOCK  # both full blocks before the last token
+    assert_same_output(hit, miss)
+    after = dir_engine.store_metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("vllm:kvlc_store_lookups_total") == 2
+    assert grew("vllm:kvlc_store_lookup_hit_tokens_total") == 2 * BLOCK
+    assert grew("vllm:kvlc_store_loaded_tokens_total") == 2 * BLOCK
+    assert grew("vllm:kvlc_store_stored_chunks_total") == 2
+    assert grew("vllm:kvlc_store_loaded_bytes_total") > 0
+    assert after["vllm:kvlc_store_leases_open"] == 0
+    hits_after = dir_engine.metric("vllm:external_prefix_cache_hits_total")
+    assert hits_after - hits_before == 2 * BLOCK
+
+
+def test_corrupt_chunk_is_a_miss_with_one_warning(setup):
+    engine: Engine = setup["dir"]
+    miss = engine.complete(prompt("beta"))
+    chunks = sorted((setup["root"] / "store" / "chunks").rglob("*.0"))
+    beta = [p for p in chunks if engine_chunk_holds(p)]
+    assert beta, "no chunk stored"
+    corrupt_before = engine.store_metrics().get(
+        "vllm:kvlc_store_corrupt_chunks_total", 0
+    )
+    for path in chunks:  # flip one payload byte of every stored chunk
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    again = engine.complete(prompt("beta"))
+    assert again.cached_tokens == 0
+    assert_same_output(again, miss)
+    metrics = engine.store_metrics()
+    assert metrics["vllm:kvlc_store_corrupt_chunks_total"] > corrupt_before
+    assert metrics["vllm:kvlc_store_leases_open"] == 0
+    assert "unusable (checksum mismatch)" in engine.server.log_text()
+    # The corrupt chunks were dropped and the prompt stored again: a hit.
+    third = engine.complete(prompt("beta"))
+    assert third.cached_tokens == 2 * BLOCK
+    assert_same_output(third, miss)
+
+
+def engine_chunk_holds(path: Path) -> bool:
+    header, _ = read_header(path.read_bytes())
+    return bool(header.get("key"))
+
+
+def test_store_cap_evicts_and_keeps_answering(setup):
+    engine: Engine = setup["dir"]
+    first = engine.complete(prompt("gamma-0"))
+    for i in range(1, 5):
+        engine.complete(prompt(f"gamma-{i}"))
+        time.sleep(0.05)
+    metrics = engine.store_metrics()
+    assert metrics["vllm:kvlc_store_evictions_total"] > 0
+    size = sum(
+        p.stat().st_size for p in (setup["root"] / "store" / "chunks").rglob("*.0")
+    )
+    assert size <= CAP_BYTES
+    again = engine.complete(prompt("gamma-0"))  # evicted long ago: a miss
+    assert again.cached_tokens == 0
+    assert_same_output(again, first)
+    assert engine.store_metrics()["vllm:kvlc_store_leases_open"] == 0
+
+
+def test_second_server_hits_what_the_first_stored_through_its_workers(setup):
+    a: Engine = setup["redis_a"]
+    b: Engine = setup["redis_b"]
+    stored = a.complete(prompt("delta"))
+    repeat_a = a.complete(prompt("delta"))
+    assert repeat_a.cached_tokens == 2 * BLOCK
+    assert_same_output(repeat_a, stored)
+    # redis_b never looked this prompt up when scheduling: its workers
+    # find the chunks redis_a stored and report them (before_update_states).
+    from_b = b.complete(prompt("delta"))
+    assert from_b.cached_tokens == 2 * BLOCK
+    assert_same_output(from_b, stored)
+    metrics = b.store_metrics()
+    assert metrics["vllm:kvlc_store_worker_hit_tokens_total"] == 2 * BLOCK
+    assert metrics.get("vllm:kvlc_store_lookups_total", 0) == 0
+
+
+def test_redis_down_means_misses_not_errors(setup):
+    a: Engine = setup["redis_a"]
+    redis: RedisServer = setup["redis"]
+    reference = a.complete(prompt("epsilon"))
+    redis.stop()
+    try:
+        down = a.complete(prompt("epsilon"))
+        assert down.cached_tokens == 0
+        assert_same_output(down, reference)
+        assert a.store_metrics()["vllm:kvlc_store_store_errors_total"] > 0
+        assert "store unreachable" in a.server.log_text()
+    finally:
+        redis.start()  # same port, empty
+    stored = a.complete(prompt("epsilon"))
+    assert stored.cached_tokens == 0
+    back = a.complete(prompt("epsilon"))
+    assert back.cached_tokens == 2 * BLOCK
+    assert_same_output(back, reference)
