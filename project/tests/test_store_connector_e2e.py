@@ -8,6 +8,7 @@ about a minute on two cores) and shared by the tests of this module:
   lookups off, so every hit it gets is found and loaded by its workers
   (``before_update_states``), from chunks ``redis_a`` stored.
 
+The servers log which stack hooks the connector found (``stack hooks:``).
 Local prefix caching is off on every server, so ``cached_tokens`` counts
 only what the connector supplied. Outputs are compared with the same prompt's
 first (miss) answer: identical greedy tokens, logprobs within bf16 noise.
@@ -111,8 +112,19 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     redis = RedisServer(root / "redis")
     redis.start()
     configs = {
-        "dir": {"path": str(root / "store"), "capacity": CAP_BYTES},
-        "redis_a": {"backend": "redis", "redis_url": redis.url},
+        "dir": {
+            "path": str(root / "store"),
+            "capacity": CAP_BYTES,
+            # vLLM's own key: with the external-match lifecycle installed, a
+            # runtime checker raises on any broken prepare/commit/abort
+            # guarantee; older builds ignore it.
+            "check_external_match_lifecycle": True,
+        },
+        "redis_a": {
+            "backend": "redis",
+            "redis_url": redis.url,
+            "check_external_match_lifecycle": True,
+        },
         "redis_b": {
             "backend": "redis",
             "redis_url": redis.url,
