@@ -4,8 +4,8 @@ Contract: run with the python of the vLLM install under test. It makes (or
 reuses) the tiny model of ``make_model.py``, starts an OpenAI-compatible vLLM
 server on a free loopback port with local prefix caching off and a KV
 connector configured (by default the project's reference connector,
-``StoreConnector`` of ``project/connector``, on a fresh directory store), sends the same greedy completion twice and exits 0 only
-if
+``StoreConnector`` of ``project/connector``, on a fresh directory store),
+sends the same greedy completion twice and exits 0 only if
 
 * the second response reports ``usage.prompt_tokens_details.cached_tokens > 0``
   (with local prefix caching off, only the connector can supply those tokens),
