@@ -225,7 +225,9 @@ def test_legacy_connector_calls_are_unchanged_through_the_scheduler():
     )
     scheduler = create_scheduler(vllm_config)
     connector = scheduler.connector
-    connector.get_num_new_matched_tokens = Mock(wraps=connector.get_num_new_matched_tokens)
+    connector.get_num_new_matched_tokens = Mock(
+        wraps=connector.get_num_new_matched_tokens
+    )
     connector.update_state_after_alloc = Mock()
     request = create_request(num_tokens=50, block_size=BLOCK_SIZE)
     scheduler.add_request(request)
@@ -336,7 +338,9 @@ def _prepare_then_abort(scheduler: Any, request: Request, **schedule_kwargs: Any
 
 def test_abort_when_allocation_fails():
     scheduler = _make_scheduler(num_blocks=4, extra={"offer": BLOCK_SIZE})
-    _prepare_then_abort(scheduler, create_request(num_tokens=200, block_size=BLOCK_SIZE))
+    _prepare_then_abort(
+        scheduler, create_request(num_tokens=200, block_size=BLOCK_SIZE)
+    )
 
 
 def test_abort_when_chunked_prefill_is_disabled():
@@ -347,7 +351,9 @@ def test_abort_when_chunked_prefill_is_disabled():
         max_model_len=64,
     )
     scheduler.scheduler_config.max_model_len = 1000
-    _prepare_then_abort(scheduler, create_request(num_tokens=200, block_size=BLOCK_SIZE))
+    _prepare_then_abort(
+        scheduler, create_request(num_tokens=200, block_size=BLOCK_SIZE)
+    )
 
 
 def test_abort_when_encoder_inputs_are_pending():
@@ -625,4 +631,4 @@ def test_checker_catches_a_match_left_open():
 
 
 def test_no_external_match_is_the_empty_match():
-    assert NO_EXTERNAL_MATCH == ExternalKVMatch(0, False, None)
+    assert ExternalKVMatch(0, False, None) == NO_EXTERNAL_MATCH
