@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -56,6 +54,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40
@@ -93,7 +93,13 @@ class RecordingLegacyConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         num_tokens, load_kv_async = self.answer(request, num_computed_tokens)
         self.trace.append(
-            ["match", request.request_id, num_computed_tokens, num_tokens, load_kv_async]
+            [
+                "match",
+                request.request_id,
+                num_computed_tokens,
+                num_tokens,
+                load_kv_async,
+            ]
         )
         return num_tokens, load_kv_async
 
@@ -110,7 +116,9 @@ class RecordingLegacyConnector(KVConnectorBase_V1):
         return False, None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        self.trace.append(["step", sorted(scheduler_output.num_scheduled_tokens.items())])
+        self.trace.append(
+            ["step", sorted(scheduler_output.num_scheduled_tokens.items())]
+        )
         return _Metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

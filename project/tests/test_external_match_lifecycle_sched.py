@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from workbench.hf_fixture import write_hf_cache
 
 HERE = Path(__file__).resolve().parent
@@ -120,12 +119,12 @@ def test_legacy_connector_sees_identical_calls(tmp_path: Path) -> None:
         )
         assert result["patched"] == (name == "patched"), (python, result["patched"])
         traces[name] = result["runs"]
-    for unpatched, patched in zip(traces["unpatched"], traces["patched"]):
+    for unpatched, patched in zip(traces["unpatched"], traces["patched"], strict=True):
         before = json.loads(Path(unpatched["trace"]).read_text())
         after = json.loads(Path(patched["trace"]).read_text())
         assert unpatched["calls"]["match"] > 500 and unpatched["calls"]["alloc"] > 200
         first_difference = next(
-            (i for i, (a, b) in enumerate(zip(before, after)) if a != b),
+            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
             min(len(before), len(after)),
         )
         assert before == after, (
