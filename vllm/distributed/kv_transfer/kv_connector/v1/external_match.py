@@ -97,10 +97,6 @@ class ExternalMatchLifecycle:
             )
         return cls(ExternalMatchChecker() if check else None)
 
-    @property
-    def num_open(self) -> int:
-        return len(self._open)
-
     def prepare(
         self,
         connector: "KVConnectorBase_V1",
@@ -130,7 +126,12 @@ class ExternalMatchLifecycle:
         accepted (NO_EXTERNAL_MATCH if none was prepared in this pass)."""
         entry = self._open.pop(request.request_id, None)
         if entry is None:
-            match = NO_EXTERNAL_MATCH
+            # No prepare in this pass (e.g. the request's async load ended).
+            match = (
+                NO_EXTERNAL_MATCH
+                if num_tokens == 0
+                else ExternalKVMatch(num_tokens, load_kv_async)
+            )
         else:
             match = entry[1]
             if (match.num_tokens, match.load_kv_async) != (num_tokens, load_kv_async):
