@@ -7,7 +7,7 @@ Both run ``external_match_driver.py`` in a subprocess: under this interpreter
 (the patched vLLM, e.g. ``.venv`` after ``./wb venv``) and, for the
 equivalence, under the unpatched release: ``KVLC_UPSTREAM_PYTHON``, else
 ``build/venv-unpatched/bin/python`` (``./wb venv --unpatched``). Without it
-the equivalence test is skipped, or fails when ``KVLC_REQUIRE_UNPATCHED=1``.
+the equivalence test is skipped, or fails when ``KVLC_REQUIRE_E2E=1``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def unpatched_python() -> str:
         f"no unpatched vLLM interpreter at {python}: run ./wb venv --unpatched "
         "or set KVLC_UPSTREAM_PYTHON"
     )
-    if os.environ.get("KVLC_REQUIRE_UNPATCHED") == "1":
+    if os.environ.get("KVLC_REQUIRE_E2E") == "1":
         pytest.fail(message)
     pytest.skip(message)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -125,10 +126,14 @@ def cmd_test(args: argparse.Namespace) -> int:
     """What CI runs: project lint, the project's tests, upstream's tests (fast set)."""
     python = devenv.ensure(args.root)
     tools = str(tools_python())
-    steps = [
+    # The end-to-end tests compare with the release and must not skip in CI.
+    unpatched = devenv.ensure_unpatched(args.root)
+    e2e_env = {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
+    steps: list[tuple[str, list[str], dict[str, str]]] = [
         (
             "project hooks",
             [tools, "-m", "pre_commit", "run", "--all-files", "--color", "never"],
+            {},
         ),
         (
             "project tests",
@@ -141,6 +146,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 "project/tests",
                 *args.rest,
             ],
+            e2e_env,
         ),
         (
             "upstream and stack tests",
@@ -153,20 +159,23 @@ def cmd_test(args: argparse.Namespace) -> int:
                 "--fast",
                 "--stack",
             ],
+            {},
         ),
     ]
     failed = []
-    for name, cmd in steps:
+    for name, cmd, env in steps:
         print(f"=== {name}", flush=True)
-        if _call(cmd, cwd=args.root) != 0:
+        if _call(cmd, cwd=args.root, env={**os.environ, **env}) != 0:
             failed.append(name)
     print("=== " + (f"FAILED: {', '.join(failed)}" if failed else "all tests passed"))
     return 1 if failed else 0
 
 
-def _call(cmd: list[str], cwd: Path | None = None) -> int:
+def _call(
+    cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> int:
     print(f"$ {' '.join(cmd)}", flush=True)
-    return subprocess.call(cmd, cwd=cwd)
+    return subprocess.call(cmd, cwd=cwd, env=env)
 
 
 def parser() -> argparse.ArgumentParser:

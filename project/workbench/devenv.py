@@ -16,6 +16,8 @@ from workbench import upstream
 from workbench.errors import WorkbenchError
 
 TEST_REQUIREMENTS = "project/requirements-test.txt"
+# The Mooncake store the scheduler-context end-to-end test serves with.
+MOONCAKE_REQUIREMENTS = "project/requirements-mooncake.txt"
 # The reference connector, installed editable so its tests see edits at once.
 CONNECTOR = "project/connector"
 # The workbench modules `pip install .` runs: a change to one rebuilds.
@@ -26,7 +28,7 @@ def _stack_digest(root: Path) -> str:
     """A digest of everything that goes into the patched wheel."""
     digest = hashlib.sha256()
     inputs = [root / "pyproject.toml", root / TEST_REQUIREMENTS]
-    inputs.append(root / CONNECTOR / "pyproject.toml")
+    inputs += [root / MOONCAKE_REQUIREMENTS, root / CONNECTOR / "pyproject.toml"]
     inputs += [root / "project" / "workbench" / f"{m}.py" for m in BUILD_MODULES]
     for top in ("patches", "vllm"):
         inputs += sorted(
@@ -69,6 +71,8 @@ def ensure(root: Path) -> Path:
             str(root),
             "-r",
             str(root / TEST_REQUIREMENTS),
+            "-r",
+            str(root / MOONCAKE_REQUIREMENTS),
             "-e",
             str(root / CONNECTOR),
         ],
