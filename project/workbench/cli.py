@@ -94,6 +94,9 @@ def cmd_venv(args: argparse.Namespace) -> int:
     if args.unpatched:
         python = devenv.ensure_unpatched(args.root)
         print(f"unpatched vLLM {upstream.RELEASE} installed for {python}")
+    elif args.lmcache:
+        python = devenv.ensure_lmcache(args.root)
+        print(f"patched vLLM and {devenv.LMCACHE} installed for {python}")
     else:
         print(f"patched vLLM installed for {devenv.ensure(args.root)}")
     return 0
@@ -128,6 +131,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     tools = str(tools_python())
     # The end-to-end tests compare with the release and must not skip in CI.
     unpatched = devenv.ensure_unpatched(args.root)
+    devenv.ensure_lmcache(args.root)
     e2e_env = {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
     steps: list[tuple[str, list[str], dict[str, str]]] = [
         (
@@ -224,6 +228,11 @@ def parser() -> argparse.ArgumentParser:
         "--unpatched",
         action="store_true",
         help="instead: the release's CPU wheel in build/venv-unpatched",
+    )
+    sp.add_argument(
+        "--lmcache",
+        action="store_true",
+        help="instead: the patched vLLM with the real lmcache in build/venv-lmcache",
     )
     sp = add(
         "export", cmd_export, "write the stack as deterministic stacked PR patches"

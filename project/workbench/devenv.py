@@ -117,3 +117,28 @@ def ensure_unpatched(root: Path) -> Path:
     _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
     marker.write_text(upstream.CPU_WHEEL.sha256)
     return python
+
+
+LMCACHE = "lmcache==0.5.6"
+
+
+def ensure_lmcache(root: Path) -> Path:
+    """Return the python of ``build/venv-lmcache``: the patched vLLM and the
+    real ``lmcache``, apart from ``.venv`` because ``lmcache`` downgrades
+    numpy, protobuf, opentelemetry and grpcio. Redone when the stack changed.
+    """
+    env_dir = root / "build" / "venv-lmcache"
+    python = env_dir / "bin" / "python"
+    marker = env_dir / "kvlc-lmcache"
+    digest = f"{LMCACHE}\n{_stack_digest(root)}"
+    if marker.exists() and marker.read_text() == digest:
+        print(f"{env_dir}: patched vLLM with {LMCACHE} is up to date")
+        return python
+    print(f"creating {env_dir} with the patched vLLM and {LMCACHE}")
+    venv.create(env_dir, with_pip=True, clear=True)
+    pip = [str(python), "-m", "pip"]
+    _run([*pip, "install", "--quiet", str(root), LMCACHE], "installing lmcache")
+    _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
+    _run([str(python), "-c", "import lmcache, vllm"], "importing lmcache and vllm")
+    marker.write_text(digest)
+    return python
