@@ -21,7 +21,6 @@ BLOCK_SIZE = 128  # the CPU block size
 def main() -> None:
     import torch
     from lmcache.integration.vllm import vllm_v1_adapter
-
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -128,6 +127,20 @@ def main() -> None:
         case["finished_block_ids"] = list(finished)
         return case
 
+    def build_unwrapped(impl: type, specs: tuple[KVCacheSpec, ...]) -> dict[str, Any]:
+        """build() on the adapter class itself, its __init__ counted in place."""
+        real_init = impl.__init__
+
+        def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            real_init(self, *args, **kwargs)
+            built.append(self)
+
+        impl.__init__ = counting_init
+        try:
+            return build(impl, specs)
+        finally:
+            impl.__init__ = real_init
+
     result = {
         "lmcache": metadata.version("lmcache"),
         "vllm": metadata.version("vllm"),
@@ -140,7 +153,8 @@ def main() -> None:
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         ),
         "single_group": build(CountingImpl, (full,)),
-        "hybrid_real_adapter": build(CountingImpl, (sliding, full)),
+        "single_group_plain_adapter": build_unwrapped(real_impl, (full,)),
+        "hybrid_real_adapter": build_unwrapped(real_impl, (sliding, full)),
         "hybrid_declaring_adapter": build(HybridDeclaringImpl, (sliding, full)),
     }
     print("RESULT " + json.dumps(result), flush=True)

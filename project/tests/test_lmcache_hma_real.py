@@ -84,14 +84,25 @@ def test_single_group_on_real_adapter(result: dict[str, Any]) -> None:
     assert case["finished_result"][0] is False
 
 
+def test_single_group_on_unmodified_adapter_class(result: dict[str, Any]) -> None:
+    case = result["single_group_plain_adapter"]
+    assert "error" not in case, case.get("error")
+    assert case["adapters_built"] == 1
+    assert case["kv_cache_group_id"] == 0
+    assert case["finished_result"][0] is False
+
+
 def test_hybrid_config_refused_for_single_group_adapter(
     result: dict[str, Any],
 ) -> None:
     case = result["hybrid_real_adapter"]
     assert case["adapters_built"] == 0
-    assert "LMCacheConnectorV1Impl handles a single KV cache group" in case["error"]
-    assert "0: sliding_window (1 layers), 1: full_attention (1 layers)" in (
-        case["error"]
+    assert (
+        "The LMCache adapter lmcache.integration.vllm.vllm_v1_adapter."
+        "LMCacheConnectorV1Impl handles a single KV cache group"
+    ) in case["error"]
+    assert (
+        "0: sliding_window (1 layers), 1: full_attention (1 layers)" in (case["error"])
     )
     assert "--disable-hybrid-kv-cache-manager" in case["error"]
 
