@@ -2,7 +2,7 @@
 
 ``lmcache`` 0.5.6 downgrades numpy, protobuf, opentelemetry and grpcio, so it
 lives in its own environment, build/venv-lmcache (the patched vLLM plus
-``lmcache==0.5.6``), made by ``project/ci/venv-lmcache``. This test runs
+``lmcache==0.5.6``), made by ``./wb venv --lmcache``. This test runs
 lmcache_hma_driver.py there and checks, with LMCache's own adapter:
 
 * VllmConfig keeps the hybrid KV cache manager on for LMCacheConnectorV1;
@@ -32,7 +32,7 @@ from conftest import REPO
 
 VENV = REPO / "build" / "venv-lmcache"
 PYTHON = VENV / "bin" / "python"
-RECIPE = "project/ci/venv-lmcache"
+RECIPE = "./wb venv --lmcache"
 HERE = Path(__file__).resolve().parent
 DEMO = REPO / "project" / "demo"
 
