@@ -95,28 +95,37 @@ def ensure(root: Path) -> Path:
 _CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
+def _side_env(env_dir: Path, state: str, packages: list[str], what: str) -> Path:
+    """Return the python of the environment ``env_dir`` holding ``packages``,
+    made afresh unless it was last made for the same ``state``.
+    """
+    python = env_dir / "bin" / "python"
+    marker = env_dir / "kvlc-state"
+    if marker.exists() and marker.read_text() == state:
+        print(f"{env_dir}: {what} is up to date")
+        return python
+    print(f"creating {env_dir} with {what}")
+    venv.create(env_dir, with_pip=True, clear=True)
+    pip = [str(python), "-m", "pip"]
+    _run([*pip, "install", "--quiet", *packages], f"installing {what}")
+    _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
+    _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
+    marker.write_text(state)
+    return python
+
+
 def ensure_unpatched(root: Path) -> Path:
     """Return the python of ``build/venv-unpatched``: the release's own CPU
     wheel (hash-verified) and the test requirements, for baselines and A/B
     benchmarks against the patched build.
     """
-    env_dir = root / "build" / "venv-unpatched"
-    python = env_dir / "bin" / "python"
     wheel = upstream.fetch(upstream.CPU_WHEEL)
-    marker = env_dir / "kvlc-unpatched"
-    if marker.exists() and marker.read_text() == upstream.CPU_WHEEL.sha256:
-        print(f"{env_dir}: unpatched vLLM {upstream.RELEASE} is up to date")
-        return python
-    print(f"creating {env_dir} with the unpatched {wheel.name}")
-    venv.create(env_dir, with_pip=True, clear=True)
-    pip = [str(python), "-m", "pip"]
-    _run(
-        [*pip, "install", "--quiet", str(wheel), "-r", str(root / TEST_REQUIREMENTS)],
-        "installing the unpatched vLLM",
+    return _side_env(
+        root / "build" / "venv-unpatched",
+        upstream.CPU_WHEEL.sha256,
+        [str(wheel), "-r", str(root / TEST_REQUIREMENTS)],
+        f"the unpatched vLLM {upstream.RELEASE}",
     )
-    _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
-    marker.write_text(upstream.CPU_WHEEL.sha256)
-    return python
 
 
 LMCACHE = "lmcache==0.5.6"
@@ -127,18 +136,9 @@ def ensure_lmcache(root: Path) -> Path:
     real ``lmcache``, apart from ``.venv`` because ``lmcache`` downgrades
     numpy, protobuf, opentelemetry and grpcio. Redone when the stack changed.
     """
-    env_dir = root / "build" / "venv-lmcache"
-    python = env_dir / "bin" / "python"
-    marker = env_dir / "kvlc-lmcache"
-    digest = f"{LMCACHE}\n{_stack_digest(root)}"
-    if marker.exists() and marker.read_text() == digest:
-        print(f"{env_dir}: patched vLLM with {LMCACHE} is up to date")
-        return python
-    print(f"creating {env_dir} with the patched vLLM and {LMCACHE}")
-    venv.create(env_dir, with_pip=True, clear=True)
-    pip = [str(python), "-m", "pip"]
-    _run([*pip, "install", "--quiet", str(root), LMCACHE], "installing lmcache")
-    _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
-    _run([str(python), "-c", "import lmcache, vllm"], "importing lmcache and vllm")
-    marker.write_text(digest)
-    return python
+    return _side_env(
+        root / "build" / "venv-lmcache",
+        f"{LMCACHE}\n{_stack_digest(root)}",
+        [str(root), LMCACHE],
+        f"the patched vLLM and {LMCACHE}",
+    )
