@@ -11,7 +11,6 @@ materialized tree, against the pinned CUDA release wheel.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -202,9 +201,20 @@ def build(stack: Stack, out_dir: Path, device: str | None = None) -> Path:
     return build_cuda(stack, out_dir) if device == "cuda" else build_cpu(stack, out_dir)
 
 
+def _wheel_python() -> Path:
+    """An interpreter whose ``python -m wheel`` works: this one in pip's build
+    environment (see backend.py), else the tools environment. Probed in a
+    child process because ``find_spec`` here can see setuptools' vendored
+    ``wheel``, which a fresh interpreter does not have on its path.
+    """
+    probe = subprocess.run(
+        [sys.executable, "-c", "import wheel.cli"], capture_output=True, check=False
+    )
+    return Path(sys.executable) if probe.returncode == 0 else tools_python()
+
+
 def _wheel(args: list[str]) -> None:
-    # pip's build environment has `wheel` (see backend.py); ./wb may not.
-    python = sys.executable if importlib.util.find_spec("wheel") else tools_python()
+    python = _wheel_python()
     # A fixed zip timestamp makes the same stack give the same wheel bytes.
     env = {**os.environ, "SOURCE_DATE_EPOCH": "1767225600"}
     proc = subprocess.run(
