@@ -206,6 +206,11 @@ def test_config_defaults(tmp_path: Path):
     assert c.backend == "directory" and c.path == tmp_path / "s"
     assert (tmp_path / "s").is_dir()
     assert c.verify_on_lookup and c.capacity_bytes == 8 * 2**30
+    assert c.offload == "eager" and c.offload_window_blocks is None
+    lazy = parse_config(
+        {"path": str(tmp_path / "s"), "offload": "lazy", "offload_window_blocks": 64}
+    )
+    assert lazy.offload == "lazy" and lazy.offload_window_blocks == 64
 
 
 def test_config_unknown_key_names_it_and_suggests(tmp_path: Path):
@@ -224,6 +229,9 @@ def test_config_unknown_key_names_it_and_suggests(tmp_path: Path):
         ({"path": "P", "verify_on_lookup": "yes"}, r"\['verify_on_lookup'\]"),
         ({"backend": "redis"}, r"\['redis_url'\] = None: set a URL"),
         ({"backend": "redis", "redis_url": "r", "path": "P"}, r"\['path'\].*remove"),
+        ({"path": "P", "offload": "later"}, r"\['offload'\] = 'later': set 'eager'"),
+        ({"path": "P", "offload_window_blocks": 0}, r"\['offload_window_blocks'\]"),
+        ({"path": "P", "offload_window_blocks": True}, r"\['offload_window_blocks'\]"),
     ],
 )
 def test_config_bad_values(tmp_path: Path, extra, message):

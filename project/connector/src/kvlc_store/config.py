@@ -12,7 +12,7 @@ import difflib
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,10 @@ _KEYS = {
     "redis_timeout_s": "Redis connect/read timeout in seconds",
     "scheduler_lookup": "look up prompts when scheduling (true/false; false "
     "leaves every hit to the workers' before_update_states)",
+    "offload": "'eager' (default) or 'lazy' (needs bind_scheduler_context and "
+    "prefix caching)",
+    "offload_window_blocks": "lazy offload: how many blocks at the eviction end "
+    "of the free queue to keep stored ('auto' or a number)",
 }
 
 # Keys of kv_connector_extra_config that vLLM itself reads: allowed, ignored.
@@ -65,6 +69,9 @@ class StoreConfig:
     verify_on_lookup: bool
     redis_timeout_s: float
     scheduler_lookup: bool
+    offload: str
+    # None: the blocks one step may allocate (see StoreConnector).
+    offload_window_blocks: int | None
 
 
 def parse_size(value: object) -> int | None:
@@ -78,6 +85,26 @@ def parse_size(value: object) -> int | None:
         if m:
             unit = (m.group(2) or "b").lower()
             return int(float(m.group(1)) * _UNITS[unit])
+    return None
+
+
+def _positive_size(value: object) -> int | None:
+    size = parse_size(value)
+    return size if size is not None and size > 0 else None
+
+
+def _one_of(*choices: str) -> Callable[[object], str | None]:
+    def parse(value: object) -> str | None:
+        return value if isinstance(value, str) and value in choices else None
+
+    return parse
+
+
+def _window(value: object) -> int | str | None:
+    if value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
     return None
 
 
@@ -124,38 +151,41 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
     if backend not in ("directory", "redis"):
         bad("backend", backend, "set it to 'directory' or 'redis'")
 
-    capacity = parse_size(extra.get("capacity", DEFAULT_CAPACITY))
-    if capacity is None or capacity <= 0:
-        bad(
-            "capacity",
-            extra.get("capacity"),
-            "set a positive size in bytes or like '8GiB'",
-        )
-        capacity = DEFAULT_CAPACITY
+    def setting(
+        key: str, default: Any, parse: Callable[[object], Any], fix: str
+    ) -> Any:
+        value = parse(extra.get(key, default))
+        if value is None:
+            bad(key, extra.get(key), fix)
+            return default
+        return value
 
-    ttl = _positive_float(extra.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
-    if ttl is None:
-        bad("lease_ttl_s", extra.get("lease_ttl_s"), "set a positive number of seconds")
-        ttl = DEFAULT_LEASE_TTL_S
-
-    timeout = _positive_float(extra.get("redis_timeout_s", DEFAULT_REDIS_TIMEOUT_S))
-    if timeout is None:
-        bad(
-            "redis_timeout_s",
-            extra.get("redis_timeout_s"),
-            "set a positive number of seconds",
-        )
-        timeout = DEFAULT_REDIS_TIMEOUT_S
-
-    verify = _bool(extra.get("verify_on_lookup", True))
-    if verify is None:
-        bad("verify_on_lookup", extra.get("verify_on_lookup"), "set true or false")
-        verify = True
-
-    scheduler_lookup = _bool(extra.get("scheduler_lookup", True))
-    if scheduler_lookup is None:
-        bad("scheduler_lookup", extra.get("scheduler_lookup"), "set true or false")
-        scheduler_lookup = True
+    seconds = "set a positive number of seconds"
+    capacity = setting(
+        "capacity",
+        DEFAULT_CAPACITY,
+        _positive_size,
+        "set a positive size in bytes or like '8GiB'",
+    )
+    ttl = setting("lease_ttl_s", DEFAULT_LEASE_TTL_S, _positive_float, seconds)
+    timeout = setting(
+        "redis_timeout_s", DEFAULT_REDIS_TIMEOUT_S, _positive_float, seconds
+    )
+    verify = setting("verify_on_lookup", True, _bool, "set true or false")
+    scheduler_lookup = setting("scheduler_lookup", True, _bool, "set true or false")
+    offload = setting(
+        "offload",
+        "eager",
+        _one_of("eager", "lazy"),
+        "set 'eager' (store every prompt block once computed) or 'lazy' (store "
+        "cached blocks as they near eviction)",
+    )
+    window = setting(
+        "offload_window_blocks",
+        "auto",
+        _window,
+        "set a positive number of blocks, or 'auto'",
+    )
 
     namespace = extra.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not re.fullmatch(
@@ -207,6 +237,8 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         verify_on_lookup=verify,
         redis_timeout_s=timeout,
         scheduler_lookup=scheduler_lookup,
+        offload=offload,
+        offload_window_blocks=None if window == "auto" else window,
     )
 
 

@@ -60,10 +60,14 @@ from kvlc_store.backends import (
 )
 from kvlc_store.chunk import ChunkError, decode_chunk, encode_chunk
 from kvlc_store.config import StoreConfig, parse_config
+from kvlc_store.offload import LazyOffload, SavedBlocks
 from kvlc_store.stats import StoreConnectorStats, StorePromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorWorkerMetadata,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -74,9 +78,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so INFO lines get vLLM's handler and format; a logger
+# outside it has no handler and Python prints only its warnings.
+logger = init_logger(f"vllm.{__name__}")
 
 # Stack entry 2 (the explicit external-match lifecycle), when installed.
 try:
@@ -167,6 +174,9 @@ class ProbeSpec:
 class SaveSpec:
     block_id: int
     keys: list[str]
+    # Lazy offload: the scheduler pinned the block until the workers report
+    # the save done.
+    pinned: bool = False
 
 
 @dataclass
@@ -199,6 +209,20 @@ class StoreConnector(KVConnectorBase_V1):
                 "False needs a vLLM with KVConnectorBase_V1.before_update_states "
                 "(the kvlc patch stack); set it to true"
             )
+        if self._config.offload == "lazy":
+            if not HAS_SCHEDULER_CONTEXT:
+                raise ValueError(
+                    "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
+                    "needs a vLLM with KVConnectorBase_V1.bind_scheduler_context "
+                    "(the kvlc patch stack); set it to 'eager'"
+                )
+            if not vllm_config.cache_config.enable_prefix_caching:
+                raise ValueError(
+                    "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
+                    "stores blocks the prefix cache is about to evict, and prefix "
+                    "caching is off; drop --no-enable-prefix-caching or set it "
+                    "to 'eager'"
+                )
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._identity = store_identity(vllm_config, kv_cache_config)
@@ -209,6 +233,7 @@ class StoreConnector(KVConnectorBase_V1):
 
         # Scheduler side.
         self._scheduler_context: Any = None
+        self._lazy: LazyOffload | None = None
         self._requests: dict[str, Request] = {}
         self._pending: dict[str, Offer] = {}  # legacy path: offered, not taken
         self._loads: list[LoadSpec] = []
@@ -221,6 +246,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._rank = 0
         self._load_errors: set[int] = set()
         self._worker_loads: list[LoadSpec] = []
+        self._saved = SavedBlocks()
         logger.info(
             "StoreConnector (%s) on %s backend, identity %s; stack hooks: "
             "lifecycle=%s before_update_states=%s scheduler_context=%s",
@@ -396,6 +422,9 @@ class StoreConnector(KVConnectorBase_V1):
             )
         )
         self._loaded_until[request.request_id] = first + num_blocks
+        if self._lazy is not None:
+            for block_hash in request.block_hashes[first : first + num_blocks]:
+                self._lazy.mark_stored(bytes(block_hash))
         self._stats.inc("loaded_tokens", min(accepted, num_blocks * self._block_size))
 
     def _abort(self, offer: Offer) -> None:
@@ -475,7 +504,7 @@ class StoreConnector(KVConnectorBase_V1):
             saved = self._saved_until.get(req_id, 0)
             loaded = self._loaded_until.get(req_id, 0)
             block_ids: list[int] | None = None
-            if done > saved:
+            if done > saved and self._lazy is None:
                 block_ids = self._block_ids(req_id)
                 for i in range(max(saved, 0), min(done, len(block_ids))):
                     if i < loaded:
@@ -506,11 +535,32 @@ class StoreConnector(KVConnectorBase_V1):
                             [self._keys(h) for h in request.block_hashes[start:end]],
                         )
                     )
+        if self._lazy is not None:
+            self._lazy.plan(
+                lambda block_id, block_hash: meta.saves.append(
+                    SaveSpec(block_id, self._keys(block_hash), pinned=True)
+                )
+            )
         return meta
 
     def bind_scheduler_context(self, scheduler_context: Any) -> None:
         """Stack entry 3: the scheduler's typed view of its KV cache."""
         self._scheduler_context = scheduler_context
+        if self._config.offload == "lazy":
+            scheduler = self._vllm_config.scheduler_config
+            window = self._config.offload_window_blocks or 2 * -(
+                -scheduler.max_num_batched_tokens // self._block_size
+            )
+            self._lazy = LazyOffload(
+                scheduler_context,
+                window,
+                known_stored=4 * self._kv_cache_config.num_blocks,
+            )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        saved = connector_output.kv_connector_worker_meta
+        if self._lazy is not None and isinstance(saved, SavedBlocks):
+            self._lazy.on_saved(saved)
 
     def _block_ids(self, req_id: str) -> list[int]:
         if self._scheduler_context is not None:
@@ -662,18 +712,35 @@ class StoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreMetadata)
+        store_down = False
         for save in meta.saves:
-            key = save.keys[self._rank]
-            data = encode_chunk(self._identity, key, self._extract(save.block_id))
-            try:
-                evicted = self._backend.put(key, data)
-                self._available()
-            except BackendUnavailable as e:
-                self._unavailable(e)
-                return
-            self._stats.inc("stored_bytes", len(data))
-            self._stats.inc("stored_chunks")
-            self._stats.inc("evictions", evicted)
+            # After the store failed once, the step's other saves are skipped.
+            store_down = store_down or not self._save_block(save)
+            if save.pinned:
+                self._saved.done.add(save.block_id)
+                if store_down:
+                    self._saved.failed.add(save.block_id)
+
+    def _save_block(self, save: SaveSpec) -> bool:
+        """Write one block; False if the store is unreachable."""
+        key = save.keys[self._rank]
+        data = encode_chunk(self._identity, key, self._extract(save.block_id))
+        try:
+            evicted = self._backend.put(key, data)
+            self._available()
+        except BackendUnavailable as e:
+            self._unavailable(e)
+            return False
+        self._stats.inc("stored_bytes", len(data))
+        self._stats.inc("stored_chunks")
+        self._stats.inc("evictions", evicted)
+        return True
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._saved.done:
+            return None
+        saved, self._saved = self._saved, SavedBlocks()
+        return saved
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
