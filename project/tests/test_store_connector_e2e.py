@@ -309,7 +309,7 @@ def redis_chunks(client: redis_lib.Redis) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for name in client.scan_iter(match=f"{prefix}*"):
         value = client.get(name)
-        if value is not None:
+        if isinstance(value, bytes):
             out[name.decode()[len(prefix) :]] = value
     return out
 
