@@ -8,6 +8,11 @@ about a minute on two cores) and shared by the tests of this module:
   lookups off, so every hit it gets is found and loaded by its workers
   (``before_update_states``), from chunks ``redis_a`` stored.
 
+Faults: a writer killed halfway through a chunk of the ``dir`` store, and a
+Redis-backed server SIGKILLed while it holds a lease or halfway through a
+write (each with its own Redis and servers: one killed, then a fresh one on
+the same store).
+
 The servers log which stack hooks the connector found (``stack hooks:``).
 Local prefix caching is off on every server, so ``cached_tokens`` counts
 only what the connector supplied. Outputs are compared with the same prompt's
@@ -334,19 +339,40 @@ def open_leases(client: redis_lib.Redis) -> dict[str, int]:
     return out
 
 
-def test_redis_server_killed_holding_a_lease(tmp_path: Path) -> None:
-    """A server is SIGKILLed between leasing the chunks of a hit and releasing
-    them: the store stays readable, the dead server's lease expires after
-    ``lease_ttl_s`` and no longer protects its chunks from eviction, and a
-    fresh server on the same store serves the prompt from it."""
+def holds_half_a_write(client: redis_lib.Redis) -> bool:
+    """Whether a connection has at least 16 KiB of a command Redis has not
+    run yet (still reading it), within a few seconds."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if any(int(c["qbuf"]) >= 16 * 1024 for c in client.client_list()):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def script_sha(script: str) -> bytes:
+    """What redis-py sends with EVALSHA to run ``script``."""
+    return hashlib.sha1(script.encode()).hexdigest().encode()
+
+
+@pytest.mark.parametrize("fault", ["holding_a_lease", "halfway_through_a_put"])
+def test_redis_server_killed(fault: str, tmp_path: Path) -> None:
+    """A server is SIGKILLed at a point the test picks by stalling one Redis
+    command (``StallProxy``):
+
+    * ``holding_a_lease``: between leasing the chunks of a hit and releasing
+      them (the worker's release never reaches Redis);
+    * ``halfway_through_a_put``: while storing a new prompt, with half of the
+      first chunk's write in Redis's input buffer.
+
+    The store stays whole and readable, a lease of the dead server expires
+    after ``lease_ttl_s`` and then no longer protects its chunks from
+    eviction, and a fresh server on the same store answers from it."""
     model = make_model(tmp_path / "model")
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     proxy = StallProxy(redis.port)
     client = redis_lib.Redis.from_url(redis.url)
-    # The worker releases a hit's lease right after loading its chunks; the
-    # proxy holds that release back, so the kill lands while the lease is open.
-    release_sha = hashlib.sha1(backends._LUA_RELEASE.encode()).hexdigest().encode()
     doomed = start_engine(
         "doomed",
         model,
@@ -368,25 +394,40 @@ def test_redis_server_killed_holding_a_lease(tmp_path: Path) -> None:
         assert not open_leases(client)
 
         armed_at = time.monotonic()
-        proxy.stall_on(release_sha)
+        if fault == "holding_a_lease":
+            # A hit: the worker releases the lease right after loading.
+            proxy.stall_on(script_sha(backends._LUA_RELEASE))
+            doomed_prompt = prompt("zeta")
+        else:
+            # A miss: the worker writes the first of its chunks (~65 KB).
+            proxy.stall_on(script_sha(backends._LUA_PUT), forward=32 * 1024)
+            doomed_prompt = prompt("theta")
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(doomed.complete, prompt("zeta"))
-            assert proxy.stalled.wait(120), "the hit's lease was never released"
+            pending = pool.submit(doomed.complete, doomed_prompt)
+            assert proxy.stalled.wait(120), f"no {fault} to stall"
             stalled_at = time.monotonic()
-            assert open_leases(client) == dict.fromkeys(stored, 1)
+            leased = open_leases(client)
+            if fault == "halfway_through_a_put":
+                assert holds_half_a_write(client), "Redis got no partial write"
             kill_group(doomed.server)
             with pytest.raises(OSError):  # the connection dies with the server
                 pending.result(timeout=60)
         proxy.close()
+        if fault == "holding_a_lease":
+            assert leased == dict.fromkeys(stored, 1)
+        else:
+            assert leased == {}
 
-        # What the dead server left: whole chunks and an open lease on them.
+        # What the dead server left: the whole chunks it stored (the cut
+        # write is not one of them), a byte count that matches them, and
+        # its lease if it held one.
         left = redis_chunks(client)
         assert left == stored
         assert_every_chunk_decodes(left)
         assert int(client.get(f"{NAMESPACE}:bytes") or 0) == sum(
             len(v) for v in left.values()
         )
-        assert open_leases(client) == dict.fromkeys(stored, 1)
+        assert open_leases(client) == leased
 
         fresh = start_engine(
             "fresh", model, tmp_path, {"backend": "redis", "redis_url": redis.url}
@@ -395,14 +436,22 @@ def test_redis_server_killed_holding_a_lease(tmp_path: Path) -> None:
             time.sleep(0.2)
         expired_at = time.monotonic()
         assert not open_leases(client), "the dead server's lease never expired"
-        # Not early either: the lease was taken after the proxy was armed.
-        assert expired_at - armed_at >= LEASE_TTL_S - 0.5
+        if leased:
+            # Not early either: the lease was taken after the proxy was armed.
+            assert expired_at - armed_at >= LEASE_TTL_S - 0.5
         assert not list(client.scan_iter(match=f"{NAMESPACE}:l:*"))
 
         fresh.server.wait_healthy(fresh.url, timeout=600)
         hit = fresh.complete(prompt("zeta"))
         assert hit.cached_tokens == 2 * BLOCK
         assert_same_output(hit, miss)
+        if fault == "halfway_through_a_put":
+            # Never stored: a miss, stored now, then a hit.
+            theta = fresh.complete(prompt("theta"))
+            assert theta.cached_tokens == 0
+            theta_hit = fresh.complete(prompt("theta"))
+            assert theta_hit.cached_tokens == 2 * BLOCK
+            assert_same_output(theta_hit, theta)
         metrics = fresh.store_metrics()
         assert metrics["vllm:kvlc_store_leases_open"] == 0
         for name in ("corrupt_chunks", "load_errors", "store_errors"):
@@ -411,9 +460,10 @@ def test_redis_server_killed_holding_a_lease(tmp_path: Path) -> None:
 
         # Nothing protects the dead server's chunks any more: a write over a
         # one-byte cap evicts every unleased chunk, theirs included.
+        chunks = redis_chunks(client)
         identity = next(iter(stored)).split("/", 1)[0]
         backend = backends.RedisBackend(redis.url, NAMESPACE, capacity_bytes=1)
-        assert backend.put(f"{identity}/{'0' * 64}.0", b"x") == len(stored) + 1
+        assert backend.put(f"{identity}/{'0' * 64}.0", b"x") == len(chunks) + 1
         backend.close()
         assert not redis_chunks(client)
         again = fresh.complete(prompt("zeta"))
