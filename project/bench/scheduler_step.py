@@ -20,16 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# This directory (the test connectors) and project/ (the scheduler harness).
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import bench_connectors  # noqa: E402
-import torch  # noqa: E402
+from testing import scheduler_harness  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
-    VllmConfig,
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -38,14 +39,8 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
 )
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import vllm  # noqa: E402
 
@@ -82,10 +77,9 @@ def make_scheduler(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int = 8192,
 ) -> Scheduler:
-    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, seed=0)
     max_len = 4096
-    vllm_config = VllmConfig(
-        model_config=model_config,
+    return scheduler_harness.make_scheduler(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, seed=0),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs or max(n // 2, 1),
             max_num_batched_tokens=max_num_batched_tokens,
@@ -107,30 +101,7 @@ def make_scheduler(
             if connector
             else None
         ),
-    )
-    num_blocks = n * (PROMPT_LEN + MAX_TOKENS) // BLOCK_SIZE * 2 + 1024
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
-    )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+        num_blocks=n * (PROMPT_LEN + MAX_TOKENS) // BLOCK_SIZE * 2 + 1024,
     )
 
 

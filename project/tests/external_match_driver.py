@@ -30,14 +30,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
-    VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -46,16 +44,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm import SamplingParams
+
+# project/: the scheduler harness shared with the benchmarks.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from testing import scheduler_harness  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40
@@ -217,16 +213,6 @@ class LeasingConnector(RecordingLegacyConnector):
 def make_scheduler(connector: str, run: dict[str, Any]) -> Scheduler:
     chunked = run.get("chunked", True)
     budget = 64 if chunked else 256
-    model_config = ModelConfig(
-        model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=8,
-        max_num_batched_tokens=budget,
-        max_model_len=10000 if chunked else budget,
-        enable_chunked_prefill=chunked,
-        is_encoder_decoder=False,
-    )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE,
         gpu_memory_utilization=0.9,
@@ -237,9 +223,17 @@ def make_scheduler(connector: str, run: dict[str, Any]) -> Scheduler:
     extra: dict[str, Any] = {"seed": run["seed"]}
     if run.get("check"):
         extra["check_external_match_lifecycle"] = True
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
+    return scheduler_harness.make_scheduler(
+        model_config=ModelConfig(
+            model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=10000 if chunked else budget,
+            enable_chunked_prefill=chunked,
+            is_encoder_decoder=False,
+        ),
         cache_config=cache_config,
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
@@ -247,30 +241,8 @@ def make_scheduler(connector: str, run: dict[str, Any]) -> Scheduler:
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         ),
-        device_config=DeviceConfig("cpu"),
-    )
-    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
-    )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
+        device_config=DeviceConfig("cpu"),
     )
 
 

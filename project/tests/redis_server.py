@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,3 +88,90 @@ def running_redis(workdir: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+class StallProxy:
+    """A loopback TCP forwarder in front of a Redis server that can stall one
+    command: once ``stall_on(pattern, forward)`` is armed, the first client
+    write holding ``pattern`` (say, the SHA of a Lua script the client runs
+    with EVALSHA) is forwarded only up to ``forward`` bytes past the start of
+    the pattern, and nothing after that on its connection. The client then
+    waits for a reply that never comes, frozen at a known point of its work,
+    with Redis holding the part of the command it got; ``stalled`` is set
+    when that happens.
+
+    Connections close when either side closes, so a client that dies while
+    stalled leaves at most a partial command in Redis's input buffer, which
+    Redis drops with the connection.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self._target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.stalled = threading.Event()
+        self._pattern: bytes | None = None
+        self._forward = 0
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall_on(self, pattern: bytes, forward: int = 0) -> None:
+        with self._lock:
+            self._pattern = pattern
+            self._forward = forward
+            self.stalled.clear()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self._target_port))
+            except OSError:
+                return
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst, watch in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(
+                    target=self._pipe, args=(src, dst, watch), daemon=True
+                ).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, watch: bool) -> None:
+        tail = b""  # a pattern may straddle two reads
+        left: int | None = None  # once stalled: bytes still to forward
+        try:
+            while data := src.recv(65536):
+                if left is not None:
+                    data, left = data[:left], max(left - len(data), 0)
+                elif watch:
+                    with self._lock:
+                        pattern, forward = self._pattern, self._forward
+                        at = -1 if pattern is None else (tail + data).find(pattern)
+                        if at >= 0:
+                            self._pattern = None
+                    if at >= 0:
+                        # Where the forwarding stops, counted from this read.
+                        end = at - len(tail) + forward
+                        data, left = data[: max(end, 0)], max(end - len(data), 0)
+                    tail = (tail + data)[-64:]
+                if data:
+                    dst.sendall(data)
+                if left == 0:  # Redis holds all it will get of the command
+                    self.stalled.set()
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
