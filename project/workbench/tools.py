@@ -8,7 +8,10 @@ from pathlib import Path
 
 from workbench import upstream
 
-TOOLS = ("pre-commit==4.7.0", "wheel==0.45.1")
+# packaging: pre-commit's virtualenv imports it, and on a fresh machine pip
+# once left it out of this environment (pre-commit then cannot make any hook
+# environment); naming it makes the install fail loudly instead.
+TOOLS = ("pre-commit==4.7.0", "packaging==26.3", "wheel==0.45.1")
 # ./wb bench's driver only plots; the workloads run in the vLLM environments.
 BENCH_TOOLS = ("matplotlib==3.11.2",)
 
