@@ -85,10 +85,12 @@ class DirectoryBackend:
     (writes in progress), ``size`` (total chunk bytes, kept under the lock)
     and ``.lock`` (held while leasing, counting or evicting).
 
-    A write goes to ``tmp/``, is fsynced and renamed into place, so a crash
-    never leaves a readable partial chunk; leftovers in ``tmp/`` are removed
-    when a backend opens the directory. LRU order is file mtime (a ``get``
-    touches the file).
+    A write goes to ``tmp/`` and is renamed into place, so a process that
+    dies mid-write never leaves a partial chunk under a chunk's name;
+    leftovers in ``tmp/`` are removed when a backend opens the directory.
+    There is no fsync: after a power loss a renamed chunk may be empty or
+    torn, and its checksum makes it a miss; a cache need not survive one.
+    LRU order is file mtime (a ``get`` touches the file).
     """
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
@@ -151,7 +153,6 @@ class DirectoryBackend:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            os.fsync(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)

@@ -6,21 +6,27 @@ layer of one tensor-parallel rank, as raw bytes. Layout::
     MAGIC (8 bytes) | header length (4 bytes, big endian) | header (JSON) | payload
 
 The header names the store identity (model and KV layout, see
-``StoreIdentity``), the chunk's key, the payload length and its BLAKE2b
-checksum. ``decode_chunk`` returns the payload only if all of them match what
-the reader expects; anything else raises ``ChunkError`` with the reason, which
+``StoreIdentity``), the chunk's key, the payload length and its CRC-32.
+
+CRC-32 (zlib) guards against corruption and truncation, not against someone
+who can write the store: it runs about five times faster than BLAKE2b here,
+and a hit checksums every chunk twice (when offered and when loaded), which
+for a 4k-token prompt of a 0.5B model is 2 x 48 MB.
+
+``decode_chunk`` returns the payload only if all of them match what the
+reader expects; anything else raises ``ChunkError`` with the reason, which
 callers turn into a miss.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
+import zlib
 
 MAGIC = b"KVLCCHK1"
 _LEN = struct.Struct(">I")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # A header is a few hundred bytes; anything larger is not one of ours.
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -29,8 +35,8 @@ class ChunkError(Exception):
     """A stored chunk that must not be used (corrupt, truncated or foreign)."""
 
 
-def checksum(payload: bytes | memoryview) -> str:
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+def checksum(payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload)
 
 
 def encode_chunk(identity: str, key: str, payload: bytes | memoryview) -> bytes:
@@ -41,7 +47,7 @@ def encode_chunk(identity: str, key: str, payload: bytes | memoryview) -> bytes:
             "identity": identity,
             "key": key,
             "payload_bytes": len(payload),
-            "blake2b": checksum(payload),
+            "crc32": checksum(payload),
         },
         sort_keys=True,
     ).encode()
@@ -90,6 +96,6 @@ def decode_chunk(
             f"truncated payload ({len(payload)} bytes, header says "
             f"{header.get('payload_bytes')})"
         )
-    if verify and header.get("blake2b") != checksum(payload):
+    if verify and header.get("crc32") != checksum(payload):
         raise ChunkError("checksum mismatch")
     return payload
