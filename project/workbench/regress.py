@@ -47,12 +47,14 @@ STACK_TREE = Path("build") / "regress-tree"
 BASELINE = Path(__file__).parent / "data" / f"baseline-vllm-{upstream.RELEASE}-cpu.txt"
 
 # The scheduler, prefix caching, KV cache sizing, and every KV connector's unit
-# tests: what the stack's entries change behaviour for.
+# tests (SimpleCPUOffload's live apart): what the stack's entries change
+# behaviour for.
 SELECTION = (
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/kv_connector/unit",
+    "tests/v1/simple_kv_offload",
 )
 # The CI subset (--fast), about a third of the full run's time on 2 cores: the
 # scheduler's tests and the KV connector unit tests, minus the slowest files of
@@ -85,6 +87,8 @@ FAST_SELECTION = (
     "tests/v1/kv_connector/unit/offloading_connector/test_metrics.py",
     "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
     "tests/v1/kv_connector/unit/offloading_connector/test_worker_metadata.py",
+    # Under a minute; SimpleCPUOffload is migrated by the scheduler-context entry.
+    "tests/v1/simple_kv_offload",
 )
 # A hang must fail one test, not the run; the slowest test of the baseline run
 # takes about 40 s on 2 cores.
