@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from workbench import regress
+from workbench import regress, stack
 from workbench.errors import WorkbenchError
 
 TESTS = """
@@ -135,6 +135,76 @@ def test_baseline_test_that_fails_is_a_regression(tree: Path, capsys) -> None:
     assert "test_outside_selection" not in out
     assert "3 tests pass that are not in the baseline" in out
     assert "regress: 2 regressions" in out
+
+
+@pytest.mark.parametrize("version", ["0.32.0+kvlc.cpu", "0.32.0"])
+def test_a_test_the_stack_retires_is_not_a_regression(
+    tree: Path, trial_root: Path, monkeypatch, capsys, version: str
+) -> None:
+    (tree.parent / "site" / "vllm" / "__init__.py").write_text(
+        f"WHERE = 'installed'\n__version__ = {version!r}\n"
+    )
+    (trial_root / "patches" / "trial" / "retired-tests").write_text(
+        f"# The trial entry changes what test_now_fails checks.\n{P}::test_now_fails\n"
+        f"\n# Renamed.\n{P}::test_param\n"
+    )
+    monkeypatch.setattr(regress, "ROOT", trial_root)
+    baseline = tree.parent / "baseline.txt"
+    baseline.write_text(
+        f"{P}::test_ok\n{P}::test_now_fails\n{P}::test_param[2]\n{P}::test_gone\n"
+    )
+    argv = ["--python", sys.executable, "--tests-from", str(tree)]
+    status = regress.main([*argv, "--baseline", str(baseline), P])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert f"REGRESSION: {P}::test_gone (not run)" in out
+    if version.endswith("+kvlc.cpu"):
+        assert f"RETIRED: {P}::test_now_fails (failed) by trial" in out
+        assert f"RETIRED: {P}::test_param[2] (failed) by trial" in out
+        summary = "regress: 1 regressions against baseline.txt, 2 retired by the stack"
+        assert summary in out
+    else:
+        # The unpatched build is not the stack: its retirements do not apply.
+        assert "RETIRED" not in out
+        assert f"REGRESSION: {P}::test_now_fails (failed)" in out
+        assert "regress: 3 regressions against baseline.txt\n" in out
+
+
+def test_retired_node_ids_cover_their_parametrizations_and_children() -> None:
+    retired = stack.parse_retired(
+        "e", f"# why\n{P}::test_x\ntests/unit/test_dir\n# other\n{P}::C::test_y[1]\n"
+    )
+    assert [(t.node.rsplit("/", 1)[-1], t.reason, t.line) for t in retired] == [
+        ("test_sample.py::test_x", "why", 2),
+        ("test_dir", "why", 3),
+        ("test_sample.py::C::test_y[1]", "other", 5),
+    ]
+    x, directory, y = retired
+    assert x.covers(f"{P}::test_x") and x.covers(f"{P}::test_x[True-1]")
+    assert not x.covers(f"{P}::test_x_more")
+    assert directory.covers("tests/unit/test_dir/test_a.py::test_a")
+    assert not directory.covers("tests/unit/test_dir_more.py::test_a")
+    assert y.names == ["C", "test_y"]
+    assert y.covers(f"{P}::C::test_y[1]") and not y.covers(f"{P}::C::test_y[2]")
+    result = regress.compare(
+        {f"{P}::test_x[1]", f"{P}::test_z"}, {}, ["tests"], retired=[("e", x)]
+    )
+    assert result.regressions == [(f"{P}::test_z", "not run")]
+    assert result.retired == [(f"{P}::test_x[1]", "not run", "e")]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (f"{P}::test_x\n", "line 1: .* has no reason"),
+        (f"# why\n{P}::test_x\n\n{P}::test_y\n", "line 4: .* has no reason"),
+        ("# why\nvllm/x.py\n", "line 2: 'vllm/x.py' is not a node id under tests/"),
+        (f"# why\n{P}::test_x\n{P}::test_x\n", "line 3: .* is listed twice"),
+    ],
+)
+def test_retired_tests_file_is_validated(text: str, error: str) -> None:
+    with pytest.raises(WorkbenchError, match=f"patches/e/retired-tests {error}"):
+        stack.parse_retired("e", text)
 
 
 def test_record_then_compare_is_clean(tree: Path, capsys) -> None:

@@ -152,6 +152,60 @@ def test_check_reports_lint_and_type_ignore(trial_root: Path):
     assert "F401" in result.stdout  # upstream's ruff: unused import
 
 
+def test_check_validates_retired_tests_against_the_pristine_and_entry_trees(
+    trial_root: Path,
+):
+    kv_utils = "tests/v1/core/test_kv_cache_utils.py"
+    retired = trial_root / "patches" / "trial" / "retired-tests"
+    valid = f"# Renamed by the trial entry.\n{kv_utils}::test_none_hash[sha256]\n"
+    retired.write_text(
+        valid
+        + f"\n# A typo.\n{kv_utils}::test_none_hsh\n"
+        + f"\n# Not removed.\n{kv_utils}::test_none_hash_seed_random_for_non_crypto\n"
+    )
+    # The trial entry renames test_none_hash, the way an entry is edited.
+    assert wb(trial_root, "materialize").returncode == 0
+    tree = trial_root / "build" / "vllm"
+    target = tree / kv_utils
+    target.write_text(
+        target.read_text().replace("def test_none_hash(", "def test_none_hash_is(")
+    )
+    git(tree, "commit", "--quiet", "--all", "--amend", "--no-edit")
+    assert wb(trial_root, "refresh").returncode == 0
+    assert retired.read_text().startswith(valid)
+
+    result = wb(trial_root, "check", "--no-lint")
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = [line for line in result.stdout.splitlines() if "FAIL" in line]
+    assert problems == [
+        f"FAIL: patches/trial/retired-tests line 5: {kv_utils}::test_none_hsh names "
+        "no test of the pristine sdist; fix the node id, or drop the line (only "
+        "upstream's tests are retired)",
+        f"FAIL: patches/trial/retired-tests line 8: {kv_utils}::"
+        "test_none_hash_seed_random_for_non_crypto still exists after entry trial; "
+        "drop the line (a test the entry keeps runs and must pass), or remove or "
+        "rename the test in the entry",
+    ]
+
+    retired.write_text(valid)
+    result = wb(trial_root, "check", "--no-lint")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok: 1 retired tests, each gone after its entry" in result.stdout
+    # Entry metadata, like owned-files: not part of the PR.
+    assert wb(trial_root, "export").returncode == 0
+    mail = (trial_root / "build" / "export" / "0001-trial.patch").read_text()
+    assert "test_none_hash_is(" in mail and "retired-tests" not in mail
+
+
+def test_retired_tests_without_a_reason_are_refused(trial_root: Path):
+    retired = trial_root / "patches" / "trial" / "retired-tests"
+    retired.write_text("tests/v1/core/test_scheduler.py::test_add_requests\n")
+    result = wb(trial_root, "check", "--no-lint")
+    assert result.returncode == 2
+    assert "patches/trial/retired-tests line 1:" in result.stderr
+    assert "has no reason; put '# why the entry retires it'" in result.stderr
+
+
 def test_build_repacks_the_cpu_wheel_with_the_stack(trial_root: Path):
     wheel = build.build_cpu(stack.load(trial_root), trial_root / "dist")
     assert wheel.name == "vllm-0.32.0+kvlc.cpu-cp38-abi3-manylinux_2_28_x86_64.whl"

@@ -6,23 +6,32 @@
 4. The stored patches are exactly what refresh writes (nothing stale).
 5. The export, ``git am``-ed onto the pristine tree, reproduces the stack.
 6. No added line carries a new ``# type: ignore``.
-7. Upstream's own hooks (ruff, ruff-format, mypy, ...) pass on every touched file.
+7. Every retired test exists in the pristine sdist and is gone after its entry.
+8. Upstream's own hooks (ruff, ruff-format, mypy, ...) pass on every touched file.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from workbench import lint, upstream
 from workbench.build import refuse_cpu_divergent
 from workbench.errors import WorkbenchError
 from workbench.export import am_onto_base, format_patches
-from workbench.gitutil import git_text
+from workbench.gitutil import BASE_REF, git_text
 from workbench.materialize import build_repo
 from workbench.refresh import read_entries
-from workbench.stack import Stack, split_patch, unowned_added_files
+from workbench.stack import (
+    RETIRED,
+    RetiredTest,
+    Stack,
+    split_patch,
+    unowned_added_files,
+)
 
 _TYPE_IGNORE = re.compile(r"#\s*type:\s*ignore")
 
@@ -45,6 +54,62 @@ def touched_files(stack: Stack) -> list[str]:
     paths = {p for e in stack.entries for p in e.owned}
     paths |= {s.path for e in stack.entries for s in split_patch(e.patch)}
     return sorted(paths)
+
+
+def defines(source: str, names: Sequence[str]) -> bool:
+    """Whether a module defines ``names``: a function, or classes down to one."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    for name in names:
+        found = [n for n in body if isinstance(n, kinds) and n.name == name]
+        if not found:
+            return False
+        body = found[-1].body
+    return True
+
+
+def has_test(repo: Path, commit: str, test: RetiredTest) -> bool:
+    """Whether the tree of ``commit`` holds what ``test`` names.
+
+    Parametrizations are pytest's doing: a parametrized id is matched by its
+    function's name.
+    """
+    listing = git_text(repo, "ls-tree", commit, "--", test.path).split()
+    if not listing:
+        return False
+    if not test.names:
+        return True
+    if listing[1] != "blob":
+        return False
+    return defines(git_text(repo, "show", f"{commit}:{test.path}"), test.names)
+
+
+def retired_test_problems(stack: Stack, repo: Path) -> list[str]:
+    """Retired tests that retire nothing real, or that their entry did not remove.
+
+    ``repo`` is the materialized stack: the base commit, one commit per entry.
+    """
+    problems = []
+    commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
+    for entry, commit in zip(stack.entries, commits, strict=True):
+        where = f"patches/{entry.name}/{RETIRED}"
+        for test in entry.retired:
+            if not has_test(repo, BASE_REF, test):
+                problems.append(
+                    f"{where} line {test.line}: {test.node} names no test of the "
+                    "pristine sdist; fix the node id, or drop the line (only "
+                    "upstream's tests are retired)"
+                )
+            elif has_test(repo, commit, test):
+                problems.append(
+                    f"{where} line {test.line}: {test.node} still exists after "
+                    f"entry {entry.name}; drop the line (a test the entry keeps "
+                    "runs and must pass), or remove or rename the test in the entry"
+                )
+    return problems
 
 
 def check(stack: Stack, *, run_lint: bool = True) -> list[str]:
@@ -80,6 +145,11 @@ def check(stack: Stack, *, run_lint: bool = True) -> list[str]:
                     f"entry {old.name} is stale: its files are not what refresh "
                     "writes; run materialize then refresh"
                 )
+        retired = retired_test_problems(stack, repo)
+        if not retired:
+            count = sum(len(e.retired) for e in stack.entries)
+            print(f"ok: {count} retired tests, each gone after its entry")
+        problems += retired
         tree = git_text(repo, "rev-parse", "HEAD^{tree}").strip()
         if am_onto_base(format_patches(repo), source, Path(tmp)) != tree:
             problems.append("git am of the export does not reproduce the stack")

@@ -19,6 +19,7 @@ from workbench.stack import (
     MESSAGE,
     OWNED,
     PATCH,
+    RETIRED,
     Stack,
     parse_series,
     validate_message,
@@ -161,7 +162,9 @@ def write_stack(old: Stack, entries: list[EntryState]) -> list[str]:
             if path not in new_owned:
                 _remove(root / path, log)
         if old_entry.name not in kept:
-            for name in (MESSAGE, PATCH, OWNED):
+            # An entry's retired tests go with it: the upstream tests it
+            # removed are back once it is dropped.
+            for name in (MESSAGE, PATCH, OWNED, RETIRED):
                 _remove(old.patches_dir / old_entry.name / name, log)
             entry_dir = old.patches_dir / old_entry.name
             if entry_dir.exists() and not any(entry_dir.iterdir()):

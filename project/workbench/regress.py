@@ -19,6 +19,13 @@ Tests that pass now but are not in the baseline are only counted.
 materialized tree, the test files the stack adds or changes join the
 selection, and every test in a file the stack adds must pass (a skip is
 allowed; a failure or error is a regression like any other).
+
+A baseline test an entry retires (``patches/<entry>/retired-tests``: removed,
+renamed or rewritten on purpose) is not a regression when the stack is under
+test: with ``--stack`` (the test is gone from the tree), or when the installed
+build is a stack build (version ``+kvlc``; upstream's test of the old
+behaviour may fail against it). Such tests are counted and listed with their
+entry. The retirements are this checkout's stack's.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench import stack, upstream
+from workbench.build import LOCAL_LABEL
 from workbench.errors import WorkbenchError
 from workbench.hf_fixture import write_hf_cache
 from workbench.materialize import materialize
@@ -47,12 +55,14 @@ STACK_TREE = Path("build") / "regress-tree"
 BASELINE = Path(__file__).parent / "data" / f"baseline-vllm-{upstream.RELEASE}-cpu.txt"
 
 # The scheduler, prefix caching, KV cache sizing, and every KV connector's unit
-# tests: what the stack's entries change behaviour for.
+# tests (SimpleCPUOffload's live apart): what the stack's entries change
+# behaviour for.
 SELECTION = (
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/kv_connector/unit",
+    "tests/v1/simple_kv_offload",
 )
 # The CI subset (--fast), about a third of the full run's time on 2 cores: the
 # scheduler's tests and the KV connector unit tests, minus the slowest files of
@@ -85,6 +95,8 @@ FAST_SELECTION = (
     "tests/v1/kv_connector/unit/offloading_connector/test_metrics.py",
     "tests/v1/kv_connector/unit/offloading_connector/test_worker.py",
     "tests/v1/kv_connector/unit/offloading_connector/test_worker_metadata.py",
+    # Under a minute; SimpleCPUOffload is migrated by the scheduler-context entry.
+    "tests/v1/simple_kv_offload",
 )
 # A hang must fail one test, not the run; the slowest test of the baseline run
 # takes about 40 s on 2 cores.
@@ -126,10 +138,12 @@ class Run:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A run against a baseline: regressions as (node id, outcome now)."""
+    """A run against a baseline: regressions as (node id, outcome now), and
+    the baseline tests the stack retires as (node id, outcome now, entry)."""
 
     regressions: list[tuple[str, str]]
     new_passes: list[str]
+    retired: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def mirror_tree(tests_root: Path, dest: Path) -> None:
@@ -368,22 +382,42 @@ def stack_test_files(root: Path) -> tuple[list[str], list[str]]:
     return added, sorted(changed - set(added))
 
 
+def stack_retired(root: Path) -> list[tuple[str, stack.RetiredTest]]:
+    """(entry, retired test) for every test the stack at ``root`` retires."""
+    return [(e.name, t) for e in stack.load(root).entries for t in e.retired]
+
+
+def is_stack_build(installed: Installed | None) -> bool:
+    version = installed.version if installed else None
+    return f"+{LOCAL_LABEL}" in (version or "")
+
+
 def compare(
     baseline: set[str],
     outcomes: Mapping[str, str],
     selection: Sequence[str],
     must_pass: Sequence[str] = (),
+    retired: Sequence[tuple[str, stack.RetiredTest]] = (),
 ) -> Comparison:
     """The baseline tests in ``selection`` that did not pass, and new passes.
 
     A baseline test missing from ``outcomes`` is a regression ``not run``
-    (renamed, removed, or its module no longer imports). So is every test
-    under ``must_pass`` that failed or errored.
+    (renamed, removed, or its module no longer imports), unless an entry
+    retires it (``retired``: (entry, test)); so is one that failed. So is every
+    test under ``must_pass`` that failed or errored.
     """
     expected = sorted(n for n in baseline if in_selection(n, selection))
-    regressions = [
-        (n, outcomes.get(n, "not run")) for n in expected if outcomes.get(n) != "passed"
-    ]
+    regressions = []
+    excused = []
+    for n in expected:
+        outcome = outcomes.get(n, "not run")
+        if outcome == "passed":
+            continue
+        entry = next((e for e, test in retired if test.covers(n)), None)
+        if entry is None:
+            regressions.append((n, outcome))
+        else:
+            excused.append((n, outcome, entry))
     regressions += sorted(
         (n, o)
         for n, o in outcomes.items()
@@ -392,7 +426,7 @@ def compare(
     new_passes = sorted(
         n for n, o in outcomes.items() if o == "passed" and n not in baseline
     )
-    return Comparison(regressions, new_passes)
+    return Comparison(regressions, new_passes, excused)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -493,11 +527,18 @@ def main(argv: Sequence[str]) -> int:
         passed = counts(run.outcomes)["passed"]
         print(f"recorded {passed} passing tests in {args.baseline}")
         return 0
-    result = compare(read_baseline(args.baseline), run.outcomes, selection, must_pass)
+    stack_under_test = args.stack or is_stack_build(run.installed)
+    retired = stack_retired(ROOT) if stack_under_test else []
+    result = compare(
+        read_baseline(args.baseline), run.outcomes, selection, must_pass, retired
+    )
     print(f"{len(result.new_passes)} tests pass that are not in the baseline")
+    for node, outcome, entry in result.retired:
+        print(f"RETIRED: {node} ({outcome}) by {entry}")
     for node, outcome in result.regressions:
         print(f"REGRESSION: {node} ({outcome})")
-    print(
-        f"regress: {len(result.regressions)} regressions against {args.baseline.name}"
-    )
+    summary = f"{len(result.regressions)} regressions against {args.baseline.name}"
+    if stack_under_test:
+        summary += f", {len(result.retired)} retired by the stack"
+    print(f"regress: {summary}")
     return 1 if result.regressions else 0

@@ -6,11 +6,22 @@ Layout (one entry per future upstream PR)::
     patches/<entry>/message.md      the PR: title, blank line, body (commit message)
     patches/<entry>/upstream.patch  changes to files existing before the entry (-p1)
     patches/<entry>/owned-files     the files the entry adds, one path a line
+    patches/<entry>/retired-tests   upstream tests the entry removes or renames, and why
     vllm/ tests/ docs/ <path>       each added file's content, at its upstream path
 
 Files an entry adds are stored whole at their upstream path and owned by that
 entry alone; a later entry that changes one carries the change in its own
 ``upstream.patch``.
+
+``retired-tests`` lists upstream tests the entry deliberately removes, renames
+or rewrites under another name (its behaviour change makes them wrong), so
+``wb regress`` does not count them as regressions. One node id, or a prefix of
+node ids (a file, a class, a test function for all its parametrizations), a
+line; the ``#`` lines above a block of ids are its reason, which a PR
+description can quote as it is::
+
+    # With the explicit lifecycle a lookup is never pending across a reset.
+    tests/v1/simple_kv_offload/test_scheduler.py::test_reset_releases_pending_cpu_hits
 """
 
 from __future__ import annotations
@@ -25,9 +36,38 @@ ADDED_FILE_ROOTS = ("vllm", "tests", "docs")
 MESSAGE = "message.md"
 PATCH = "upstream.patch"
 OWNED = "owned-files"
+RETIRED = "retired-tests"
 _ENTRY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # git am ends the commit message at these lines; a PR body must not hold them.
 _MESSAGE_BREAKERS = re.compile(r"^(---|diff -|Index: )", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RetiredTest:
+    """An upstream node id, or node-id prefix, an entry retires, and why."""
+
+    node: str
+    reason: str
+    line: int
+
+    @property
+    def path(self) -> str:
+        return self.node.split("::", 1)[0]
+
+    @property
+    def names(self) -> list[str]:
+        """The classes and function the node id names, without parameters."""
+        names = self.node.split("::")[1:]
+        if names:
+            names[-1] = names[-1].split("[", 1)[0]
+        return names
+
+    def covers(self, node_id: str) -> bool:
+        """Whether ``node_id`` is this test, one of its parametrizations, or
+        lies under this file, directory or class."""
+        return node_id == self.node or node_id.startswith(
+            tuple(self.node + sep for sep in ("[", "::", "/"))
+        )
 
 
 @dataclass(frozen=True)
@@ -36,6 +76,7 @@ class Entry:
     message: str
     patch: str
     owned: tuple[str, ...]
+    retired: tuple[RetiredTest, ...] = ()
 
     @property
     def title(self) -> str:
@@ -108,6 +149,49 @@ def validate_owned_path(name: str, path: str) -> None:
         )
 
 
+def parse_retired(name: str, text: str) -> tuple[RetiredTest, ...]:
+    """The node ids of an entry's ``retired-tests``, each with its reason.
+
+    A block of ``#`` lines gives the reason for the node ids right below it;
+    a blank line or the next ``#`` block ends it.
+    """
+    where = f"patches/{name}/{RETIRED}"
+    retired: list[RetiredTest] = []
+    reason: list[str] = []
+    after_ids = False
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            reason, after_ids = [], False
+            continue
+        if line.startswith("#"):
+            if after_ids:
+                reason, after_ids = [], False
+            reason.append(line[1:].strip())
+            continue
+        path = line.split("::", 1)[0]
+        if (
+            not path.startswith("tests/")
+            or ".." in Path(path).parts
+            or any(c.isspace() for c in line)
+        ):
+            raise WorkbenchError(
+                f"{where} line {lineno}: {line!r} is not a node id under tests/; "
+                "write one node id or node-id prefix a line, e.g. "
+                "tests/v1/core/test_scheduler.py::test_name"
+            )
+        if not " ".join(reason).strip():
+            raise WorkbenchError(
+                f"{where} line {lineno}: {line} has no reason; put '# why the "
+                "entry retires it' lines right above it"
+            )
+        if any(t.node == line for t in retired):
+            raise WorkbenchError(f"{where} line {lineno}: {line} is listed twice")
+        retired.append(RetiredTest(line, " ".join(reason).strip(), lineno))
+        after_ids = True
+    return tuple(retired)
+
+
 def load(root: Path) -> Stack:
     """Read and validate the stack under ``root`` (the repository root)."""
     patches = root / "patches"
@@ -143,7 +227,13 @@ def load(root: Path) -> Stack:
             raise WorkbenchError(
                 f"entry {name} changes nothing: no {PATCH}, no {OWNED}"
             )
-        entries.append(Entry(name, message, patch, owned))
+        retired_file = entry_dir / RETIRED
+        retired = (
+            parse_retired(name, retired_file.read_text())
+            if retired_file.exists()
+            else ()
+        )
+        entries.append(Entry(name, message, patch, owned, retired))
     stack = Stack(root, tuple(entries))
     _check_single_owner(stack)
     return stack
