@@ -72,6 +72,14 @@ PROMPT_TOKENS = 4096
 # tokens, then 0.2 s); four blocks also take each connector through
 # its store and lookup paths once.
 WARMUP_TOKENS = 512
+# vLLM's workers busy-loop on their message queue for 1 s after each step
+# (shm_broadcast's SpinCondition). A request sent sooner, to either server,
+# shares the 2 cores with that spin: in a trial run the first hit, 1 s after
+# the miss, took ~0.5 s and the next ones, sent right after requests to the
+# recompute server, ~1.1 s (Redis store and Mooncake alike). Every timed request
+# waits this long first, so all systems are measured without it; it also lets
+# Mooncake's and LMCache's stores, which finish after the reply, land.
+PAUSE_S = 1.5
 MAX_MODEL_LEN = 4608
 # The demo tokenizer's ids (bench_model.py): vLLM rejects prompt ids past the
 # tokenizer's vocabulary. The first three are its special tokens.
@@ -364,18 +372,20 @@ def measure(
 ) -> tuple[Shot, Shot, list[Shot], list[Shot], list[Shot]]:
     """Warm-up, miss, then ``repeats`` hits on ``base_url``, each followed by
     a recompute of the same prompt and of its uncached tail on ``baseline_url``
-    (the machine is shared: a hit and its reference see the same load)."""
+    (the machine is shared: a hit and its references see the same load)."""
     warmup = first_token(base_url, prompt(seed + 1000, WARMUP_TOKENS))
+    time.sleep(PAUSE_S)
     miss = first_token(base_url, prompt(seed))
     step(f"{name}: warm-up {warmup.ttft_s:.3f} s, miss {miss.ttft_s:.3f} s")
-    # Mooncake and LMCache store after the reply: let the store land.
-    time.sleep(1)
     hits, recompute, tails = [], [], []
     for i in range(repeats):
+        time.sleep(PAUSE_S)
         hit = first_token(base_url, prompt(seed))
         hits.append(hit)
+        time.sleep(PAUSE_S)
         recompute.append(first_token(baseline_url, prompt(seed)))
         tail = PROMPT_TOKENS - (hit.cached_tokens or expected_cached)
+        time.sleep(PAUSE_S)
         tails.append(first_token(baseline_url, prompt(seed + 2000 + i, tail)))
         word = "hit" if hit.cached_tokens else "FAILED HIT (0 cached tokens)"
         step(
@@ -593,11 +603,15 @@ def report(analysis: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         "systems are served one after the other beside it. Each gets a "
         f"{WARMUP_TOKENS}-token warm-up request, then its own random "
         f"{PROMPT_TOKENS}-token prompt (token ids) once (the miss, which stores "
-        f"it) and {meta['repeats']} times more (the hits, from 1 s after the "
-        "miss). Right after each hit the recompute server answers the same "
-        "prompt and a prompt of the length the hit left uncached (the tail "
-        "compute), so a hit and its reference run under the same machine load. "
-        "TTFT: time to the first streamed chunk of a one-token completion.",
+        f"it) and {meta['repeats']} times more (the hits). Right after each hit "
+        "the recompute server answers the same prompt and a prompt of the "
+        "length the hit left uncached (the tail compute), so a hit and its "
+        "references run under the same machine load. "
+        "TTFT: time to the first streamed chunk of a one-token completion. "
+        f"Every timed request follows a {PAUSE_S} s pause: vLLM's workers "
+        "busy-loop for 1 s after each step, and a request sent into that spin "
+        "(of either server) shares the 2 cores with it (in a trial run, hits sent "
+        "right after other requests took about twice as long as the first).",
         "",
         "| system | miss ms | hit ms, median (range) | cached tokens | recompute ms "
         "beside it, median (range) | speedup vs recompute | hit / floor "
