@@ -88,6 +88,9 @@ SYSTEMS = ("store-dir", "store-redis", "mooncake", "lmcache", "recompute")
 PEERS = ("mooncake", "lmcache")
 OURS = ("store-dir", "store-redis")
 SPEEDUP_TARGET = 10.0
+# Two systems whose reference recomputes differ by more than this factor ran
+# under different machine load: their hit times are not compared as a verdict.
+LOAD_SKEW = 1.5
 DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -526,18 +529,34 @@ def goals(analysis: dict[str, Any]) -> list[str]:
                 f"{len(row['cached_tokens'])} repeats got no cached tokens"
             )
             continue
-        speed = "met" if row["speedup"] >= SPEEDUP_TARGET else "**missed**"
+        # Met only if both estimates reach the target: the ratio of medians
+        # flatters a system whose hits and recomputes saw different load.
+        pairs = statistics.median(row["pair_speedups"])
+        met = min(row["speedup"], pairs) >= SPEEDUP_TARGET
         lines.append(
-            f"- `{name}` ≥{SPEEDUP_TARGET:.0f}x faster than recompute: {speed} "
-            f"({row['speedup']:.1f}x: {ms(hit_s)} ms vs "
-            f"{ms(row['recompute']['median_s'])} ms)"
+            f"- `{name}` ≥{SPEEDUP_TARGET:.0f}x faster than recompute: "
+            f"{'met' if met else '**missed**'} ({row['speedup']:.1f}x of the "
+            f"medians, {ms(hit_s)} ms vs {ms(row['recompute']['median_s'])} ms; "
+            f"{pairs:.1f}x median of the per-hit ratios)"
         )
         for peer, peer_s in peers.items():
             ok = "met" if hit_s < peer_s else "**missed**"
-            lines.append(
+            ours_pairs = statistics.median(row["pair_speedups"])
+            peer_pairs = statistics.median(rows[peer]["pair_speedups"])
+            line = (
                 f"- `{name}` ahead of `{peer}`: {ok} ({ms(hit_s)} ms vs "
-                f"{ms(peer_s)} ms, ratio {hit_s / peer_s:.2f})"
+                f"{ms(peer_s)} ms, ratio {hit_s / peer_s:.2f}; per-pair speedup "
+                f"{ours_pairs:.1f}x vs {peer_pairs:.1f}x)"
             )
+            # The recompute beside the hits gauges the load they ran under.
+            load = row["recompute"]["median_s"] / rows[peer]["recompute"]["median_s"]
+            if not 1 / LOAD_SKEW <= load <= LOAD_SKEW:
+                line += (
+                    f". Not conclusive: measured under different load (the "
+                    f"recompute beside them took {ms(row['recompute']['median_s'])}"
+                    f" ms vs {ms(rows[peer]['recompute']['median_s'])} ms)"
+                )
+            lines.append(line)
     return lines
 
 
@@ -603,7 +622,13 @@ def report(analysis: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f"896, 14 heads, 2 KV heads, head_dim 64, {meta['dtype']}; "
         "`project/bench/bench_model.py`), local prefix caching off, "
         f"`--max-model-len {MAX_MODEL_LEN}`, "
-        f"`VLLM_CPU_KVCACHE_SPACE={meta['kvcache_space']}`.",
+        f"`VLLM_CPU_KVCACHE_SPACE={meta['kvcache_space']}`."
+        + (
+            " Text and tables rendered again from the run's `ttft.json` "
+            f"(`{COMMAND} --from-json`)."
+            if meta.get("rendered_from_json")
+            else ""
+        ),
         "",
         "A server without a connector (recompute) stays up for the whole run; the "
         "systems are served one after the other beside it. Each gets a "
@@ -702,7 +727,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--keep-logs", action="store_true", help="keep the server logs")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="only write ttft.md and ttft.png again from this run's ttft.json",
+    )
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        saved["meta"]["rendered_from_json"] = True
+        write(saved["analysis"], saved["meta"], args.out)
+        return 0
     started = time.monotonic()
     patched = devenv.ensure(ROOT)
     lmcache = devenv.ensure_lmcache(ROOT) if "lmcache" in args.systems else patched
@@ -807,16 +842,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         ),
     }
+    write(analysis, meta, args.out)
+    return 1 if failed else 0
+
+
+def write(analysis: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
     lines = report(analysis, meta)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ttft.md").write_text("\n".join(lines))
-    plot(analysis, args.out / "ttft.png")
-    (args.out / "ttft.json").write_text(
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ttft.md").write_text("\n".join(lines))
+    plot(analysis, out / "ttft.png")
+    (out / "ttft.json").write_text(
         json.dumps({"meta": meta, "analysis": analysis}, indent=1) + "\n"
     )
     print("\n".join(lines))
-    step(f"wrote {args.out / 'ttft.md'}, ttft.png, ttft.json")
-    return 1 if failed else 0
+    step(f"wrote {out / 'ttft.md'}, ttft.png, ttft.json")
 
 
 if __name__ == "__main__":
