@@ -7,8 +7,10 @@ come from LMCache. The connector auto-starts LMCache's multiprocess server on
 free ports. The same greedy completion is sent twice: the repeat must report
 cached tokens, give the same tokens and logprobs within a small tolerance.
 
-The auto-started LMCache server is not stopped by vLLM: the test finds it by
-its command line (it carries this test's port) and kills it by pid.
+vLLM does not stop the auto-started LMCache server when it shuts down. The
+server is spawned without a session of its own, so the process-group kill of
+``Server.stop`` ends it here; the fixture then looks for any survivor by its
+command line (it carries this test's port) and kills it by pid.
 
 Without build/venv-lmcache (``./wb venv --lmcache``) the test skips, or fails
 when ``KVLC_REQUIRE_E2E=1``.

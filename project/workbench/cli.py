@@ -104,9 +104,10 @@ def cmd_venv(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     python = tools_python("bench", BENCH_TOOLS)
-    return _call(
-        [str(python), str(args.root / "project" / "bench" / "run.py"), *args.rest]
-    )
+    # --ttft picks the other benchmark; the rest of the arguments go to it.
+    script = "ttft.py" if "--ttft" in args.rest else "run.py"
+    rest = [a for a in args.rest if a != "--ttft"]
+    return _call([str(python), str(args.root / "project" / "bench" / script), *rest])
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -274,7 +275,9 @@ def parser() -> argparse.ArgumentParser:
         "bench",
         cmd_bench,
         "patched vs unpatched vLLM: scheduler step, worker hook, serve; writes "
-        "project/docs/benchmarks.md (./wb bench --help)",
+        "project/docs/benchmarks.md (./wb bench --help); with --ttft: TTFT of a "
+        "repeated prompt per external KV cache, project/docs/ttft.md "
+        "(./wb bench --ttft --help)",
     )
     add(
         "test",

@@ -1,0 +1,862 @@
+"""``./wb bench --ttft``: time to first token of a repeated long prompt, served
+from each external KV cache, against recomputing it and against the bytes-moved
+floor.
+
+One run serves a random-weight model with Qwen2.5-0.5B's shape
+(``bench_model.py``, generated once into build/bench-model-qwen2.5-0.5b-shape)
+with local prefix caching off, once per system:
+
+* ``recompute``: no connector (the patched build, ``.venv``);
+* ``store-dir`` / ``store-redis``: the reference ``StoreConnector``
+  (``project/connector``) on a directory store / on a local ``redis-server``;
+* ``mooncake``: ``MooncakeStoreConnector`` with a local ``mooncake_master``;
+* ``lmcache``: ``LMCacheMPConnector`` with LMCache's multiprocess server
+  (build/venv-lmcache: the patched vLLM and lmcache).
+
+The recompute server stays up for the whole run; the connectors are served
+one after the other beside it. Each connector gets its own random 4096-token
+prompt (sent as token ids), after one warm-up request of another prompt: the
+first request is a cold miss that stores, the repeats should hit. Right after
+each hit the recompute server answers the same prompt and a prompt of the
+uncached tail's length: on a shared machine a hit and its references then see
+the same load. TTFT is the time to the first streamed chunk of a
+``max_tokens=1`` completion. A repeat that reports no cached tokens is a failed
+measurement, printed as such and never counted as a hit.
+
+The floor is the KV bytes of the cached prefix over this machine's measured
+memcpy bandwidth (``memcpy_bandwidth.py``); the compute of the uncached tail
+is estimated as the recompute TTFT of a prompt of the tail's length.
+
+Writes ``project/docs/ttft.md``, ``ttft.png`` and ``ttft.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "project"))
+sys.path.insert(0, str(ROOT / "project" / "demo"))
+sys.path.insert(0, str(ROOT / "project" / "tests"))
+
+from redis_server import RedisServer  # noqa: E402
+from serve_demo import Server, free_port, server_env  # noqa: E402
+from workbench import devenv  # noqa: E402
+
+DOCS = ROOT / "project" / "docs"
+COMMAND = "./wb bench --ttft"
+MODEL_DIR = ROOT / "build" / "bench-model-qwen2.5-0.5b-shape"
+SERVED = "bench"
+BLOCK_SIZE = 128  # vLLM's CPU block size: connectors move whole blocks.
+PROMPT_TOKENS = 4096
+# The first request after start-up pays one-time costs (here: 1.1 s for 16
+# tokens, then 0.2 s); four blocks also take each connector through
+# its store and lookup paths once.
+WARMUP_TOKENS = 512
+# vLLM's workers busy-loop on their message queue for 1 s after each step
+# (shm_broadcast's SpinCondition). A request sent sooner, to either server,
+# shares the 2 cores with that spin: in a trial run the first hit, 1 s after
+# the miss, took ~0.5 s and the next ones, sent right after requests to the
+# recompute server, ~1.1 s (Redis store and Mooncake alike). Every timed request
+# waits this long first, so all systems are measured without it; it also lets
+# Mooncake's and LMCache's stores, which finish after the reply, land.
+PAUSE_S = 1.5
+MAX_MODEL_LEN = 4608
+# The demo tokenizer's ids (bench_model.py): vLLM rejects prompt ids past the
+# tokenizer's vocabulary. The first three are its special tokens.
+TOKEN_IDS = range(3, 512)
+SYSTEMS = ("store-dir", "store-redis", "mooncake", "lmcache", "recompute")
+PEERS = ("mooncake", "lmcache")
+OURS = ("store-dir", "store-redis")
+SPEEDUP_TARGET = 10.0
+# Two systems whose reference recomputes differ by more than this factor ran
+# under different machine load: their hit times are not compared as a verdict.
+LOAD_SKEW = 1.5
+DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def step(message: str) -> None:
+    print(f"[ttft] {message}", flush=True)
+
+
+def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    """Random token ids, a different sequence for every seed."""
+    rng = random.Random(seed)
+    return [rng.choice(TOKEN_IDS) for _ in range(length)]
+
+
+@dataclass
+class Shot:
+    """One streamed request."""
+
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def first_token(base_url: str, token_ids: list[int]) -> Shot:
+    """Stream a one-token completion of ``token_ids``; time its first chunk."""
+    body = json.dumps(
+        {
+            "model": SERVED,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    ttft: float | None = None
+    usage: dict[str, Any] = {}
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[len(b"data: ") :])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if ttft is None or not usage:
+        raise RuntimeError(f"stream without a token or usage: {usage}")
+    details = usage.get("prompt_tokens_details") or {}
+    return Shot(
+        ttft, int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+    )
+
+
+@dataclass
+class System:
+    """How to serve one system: interpreter, connector config, environment."""
+
+    name: str
+    python: Path
+    kv_config: dict[str, Any] | None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    """One connector's shots, and the recompute shots taken between its hits."""
+
+    name: str
+    warmup: Shot
+    miss: Shot
+    hits: list[Shot]
+    # Right after each hit, on the recompute server: the same prompt, and a
+    # prompt of the length the hit left to compute.
+    recompute: list[Shot]
+    tails: list[Shot]
+    startup_s: float
+    load_before: float
+    load_after: float
+
+
+def serve_command(system: System, model: Path, port: int, dtype: str) -> list[str]:
+    command = [str(system.python.parent / "vllm"), "serve", str(model)]
+    command += [
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--served-model-name", SERVED,
+        "--dtype", dtype,
+        "--max-model-len", str(MAX_MODEL_LEN),
+        # Only the connector can then supply cached tokens.
+        "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    if system.kv_config is not None:
+        command += ["--kv-transfer-config", json.dumps(system.kv_config)]
+    return command
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not listen on {port} in 60 s")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL it after 10 s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def daemon(
+    command: list[str], log: Path, port: int, what: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` in its own process group until the block ends."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_port(port, proc, what)
+            yield proc
+        finally:
+            stop_process(proc)
+
+
+@contextlib.contextmanager
+def backing_service(name: str, scratch: Path, python: Path) -> Iterator[System]:
+    """Start what ``name`` needs besides vLLM; yield how to serve it."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    if name == "recompute":
+        yield System(name, python, None)
+    elif name == "store-dir":
+        yield System(
+            name,
+            python,
+            {
+                "kv_connector": "StoreConnector",
+                "kv_connector_module_path": "kvlc_store",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"path": str(scratch / "kv-store")},
+            },
+        )
+    elif name == "store-redis":
+        redis = RedisServer(scratch / "redis")
+        redis.start()
+        try:
+            yield System(
+                name,
+                python,
+                {
+                    "kv_connector": "StoreConnector",
+                    "kv_connector_module_path": "kvlc_store",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "backend": "redis",
+                        "redis_url": redis.url,
+                    },
+                },
+            )
+        finally:
+            redis.stop()
+    elif name == "mooncake":
+        master = python.parent / "mooncake_master"
+        http_port, rpc_port, metrics_port = (free_port() for _ in range(3))
+        command = [
+            str(master),
+            "-enable_http_metadata_server=true",
+            f"-http_metadata_server_port={http_port}",
+            "-http_metadata_server_host=127.0.0.1",
+            f"-rpc_port={rpc_port}",
+            f"-metrics_port={metrics_port}",
+        ]
+        log = scratch / "mooncake_master.log"
+        with daemon(command, log, rpc_port, "mooncake_master") as proc:
+            wait_port(http_port, proc, "mooncake_master's metadata server")
+            config = scratch / "mooncake.json"
+            config.write_text(
+                json.dumps(
+                    {
+                        "metadata_server": f"http://127.0.0.1:{http_port}/metadata",
+                        "master_server_address": f"127.0.0.1:{rpc_port}",
+                        "protocol": "tcp",
+                        "device_name": "",
+                        "global_segment_size": "512MB",
+                        "local_buffer_size": "128MB",
+                    }
+                )
+            )
+            yield System(
+                name,
+                python,
+                {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+                {"MOONCAKE_CONFIG_PATH": str(config)},
+            )
+    elif name == "lmcache":
+        # Started here rather than auto-started by the connector: the
+        # auto-started server outlives vLLM, this one is ours to stop.
+        port, http_port = free_port(), free_port()
+        command = [
+            str(python),
+            "-m", "lmcache.v1.multiprocess.http_server",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--http-host", "127.0.0.1",
+            "--http-port", str(http_port),
+            "--l1-size-gb", "1",
+            "--eviction-policy", "LRU",
+            "--chunk-size", str(BLOCK_SIZE),
+            "--max-workers", "1",
+            "--supported-transfer-mode", "auto",
+        ]  # fmt: skip
+        with daemon(command, scratch / "lmcache-server.log", port, "LMCache"):
+            yield System(
+                name,
+                python,
+                {
+                    "kv_connector": "LMCacheMPConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "lmcache.mp.host": "tcp://127.0.0.1",
+                        "lmcache.mp.port": port,
+                    },
+                },
+            )
+    else:
+        raise ValueError(name)
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+@contextlib.contextmanager
+def serving(system: System, scratch: Path, dtype: str) -> Iterator[tuple[str, float]]:
+    """Serve ``system``; yield its base URL and how long it took to start."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = {**server_env(), **system.env}
+    command = serve_command(system, MODEL_DIR, port, dtype)
+    step(f"{system.name}: {' '.join(command[1:3])} ... {json.dumps(system.kv_config)}")
+    server = Server(command, env, scratch / f"{system.name}.log")
+    try:
+        yield base_url, server.wait_healthy(base_url, timeout=600)
+    except Exception:
+        step(f"{system.name} failed; last lines of {server.log_path}:")
+        print(server.log_tail(), flush=True)
+        raise
+    finally:
+        server.stop()
+
+
+def measure(
+    name: str,
+    base_url: str,
+    baseline_url: str,
+    seed: int,
+    repeats: int,
+    expected_cached: int,
+) -> tuple[Shot, Shot, list[Shot], list[Shot], list[Shot]]:
+    """Warm-up, miss, then ``repeats`` hits on ``base_url``, each followed by
+    a recompute of the same prompt and of its uncached tail on ``baseline_url``
+    (the machine is shared: a hit and its references see the same load)."""
+    warmup = first_token(base_url, prompt(seed + 1000, WARMUP_TOKENS))
+    time.sleep(PAUSE_S)
+    miss = first_token(base_url, prompt(seed))
+    step(f"{name}: warm-up {warmup.ttft_s:.3f} s, miss {miss.ttft_s:.3f} s")
+    hits, recompute, tails = [], [], []
+    for i in range(repeats):
+        time.sleep(PAUSE_S)
+        hit = first_token(base_url, prompt(seed))
+        hits.append(hit)
+        time.sleep(PAUSE_S)
+        recompute.append(first_token(baseline_url, prompt(seed)))
+        tail = PROMPT_TOKENS - (hit.cached_tokens or expected_cached)
+        time.sleep(PAUSE_S)
+        tails.append(first_token(baseline_url, prompt(seed + 2000 + i, tail)))
+        word = "hit" if hit.cached_tokens else "FAILED HIT (0 cached tokens)"
+        step(
+            f"{name}: {word} {hit.ttft_s:.3f} s, cached {hit.cached_tokens}/"
+            f"{hit.prompt_tokens}; recompute {recompute[-1].ttft_s:.3f} s, "
+            f"{tail}-token tail {tails[-1].ttft_s:.3f} s"
+        )
+    return warmup, miss, hits, recompute, tails
+
+
+def memcpy(python: Path, size: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [str(python), str(HERE / "memcpy_bandwidth.py"), str(size)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    per_token: int = (
+        config["num_hidden_layers"]
+        * 2
+        * config["num_key_value_heads"]
+        * head_dim
+        * DTYPE_SIZE[dtype]
+    )
+    return per_token
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def vllm_version(python: Path) -> str:
+    done = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or "unknown"
+
+
+def med(shots: Sequence[Shot]) -> float:
+    return statistics.median(s.ttft_s for s in shots)
+
+
+def span(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "median_s": statistics.median(values),
+        "min_s": min(values),
+        "max_s": max(values),
+        "all_s": list(values),
+    }
+
+
+def analyse(
+    baseline: tuple[Shot, Shot],
+    results: dict[str, Result],
+    per_token: int,
+    bandwidth: dict[str, Any],
+) -> dict[str, Any]:
+    pooled = [s.ttft_s for r in results.values() for s in r.recompute]
+    rows: dict[str, Any] = {
+        "recompute": {
+            "warmup_s": baseline[0].ttft_s,
+            "miss_s": baseline[1].ttft_s,
+            "hit": span(pooled),
+            "cached_tokens": [0],
+        }
+    }
+    for name, r in results.items():
+        cached = [s.cached_tokens for s in r.hits]
+        good = [c for c in cached if c > 0]
+        row: dict[str, Any] = {
+            "warmup_s": r.warmup.ttft_s,
+            "miss_s": r.miss.ttft_s,
+            "miss_cached_tokens": r.miss.cached_tokens,
+            "hit": span([s.ttft_s for s in r.hits]),
+            "cached_tokens": cached,
+            "failed_hits": len(cached) - len(good),
+            "recompute": span([s.ttft_s for s in r.recompute]),
+            "tail": span([s.ttft_s for s in r.tails]),
+            "tail_tokens": sorted({s.prompt_tokens for s in r.tails}),
+            "startup_s": r.startup_s,
+            "load_before": r.load_before,
+            "load_after": r.load_after,
+        }
+        hit_s = row["hit"]["median_s"]
+        row["speedup"] = row["recompute"]["median_s"] / hit_s
+        # Each hit against the recompute right after it: less exposed to load
+        # that changes between the first and the last repeat.
+        row["pair_speedups"] = [
+            rec.ttft_s / hit.ttft_s
+            for hit, rec in zip(r.hits, r.recompute, strict=True)
+        ]
+        if good:
+            row["floor_s"] = (
+                statistics.median(good) * per_token / (bandwidth["gbps"] * 1e9)
+            )
+            row["hit_over_floor"] = hit_s / row["floor_s"]
+            row["hit_over_floor_plus_tail"] = hit_s / (
+                row["floor_s"] + row["tail"]["median_s"]
+            )
+        rows[name] = row
+    return {"rows": rows}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
+
+
+def goals(analysis: dict[str, Any]) -> list[str]:
+    rows = analysis["rows"]
+    lines = []
+    peers = {p: rows[p]["hit"]["median_s"] for p in PEERS if p in rows}
+    for name in OURS:
+        if name not in rows:
+            continue
+        row = rows[name]
+        hit_s = row["hit"]["median_s"]
+        if row["failed_hits"]:
+            lines.append(
+                f"- `{name}`: **missed**: {row['failed_hits']} of "
+                f"{len(row['cached_tokens'])} repeats got no cached tokens"
+            )
+            continue
+        # Met only if both estimates reach the target: the ratio of medians
+        # flatters a system whose hits and recomputes saw different load.
+        pairs = statistics.median(row["pair_speedups"])
+        met = min(row["speedup"], pairs) >= SPEEDUP_TARGET
+        lines.append(
+            f"- `{name}` ≥{SPEEDUP_TARGET:.0f}x faster than recompute: "
+            f"{'met' if met else '**missed**'} ({row['speedup']:.1f}x of the "
+            f"medians, {ms(hit_s)} ms vs {ms(row['recompute']['median_s'])} ms; "
+            f"{pairs:.1f}x median of the per-hit ratios)"
+        )
+        for peer, peer_s in peers.items():
+            ok = "met" if hit_s < peer_s else "**missed**"
+            ours_pairs = statistics.median(row["pair_speedups"])
+            peer_pairs = statistics.median(rows[peer]["pair_speedups"])
+            line = (
+                f"- `{name}` ahead of `{peer}`: {ok} ({ms(hit_s)} ms vs "
+                f"{ms(peer_s)} ms, ratio {hit_s / peer_s:.2f}; per-pair speedup "
+                f"{ours_pairs:.1f}x vs {peer_pairs:.1f}x)"
+            )
+            # The recompute beside the hits gauges the load they ran under.
+            load = row["recompute"]["median_s"] / rows[peer]["recompute"]["median_s"]
+            if not 1 / LOAD_SKEW <= load <= LOAD_SKEW:
+                line += (
+                    f". Not conclusive: measured under different load (the "
+                    f"recompute beside them took {ms(row['recompute']['median_s'])}"
+                    f" ms vs {ms(rows[peer]['recompute']['median_s'])} ms)"
+                )
+            lines.append(line)
+    return lines
+
+
+def plot(analysis: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = analysis["rows"]
+    names = [n for n in rows if n != "recompute"] + ["recompute"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    xs = list(range(len(names)))
+    hit = [rows[n]["hit"] for n in names]
+    ax.bar(
+        [x - 0.2 for x in xs],
+        [rows[n]["miss_s"] * 1e3 for n in names],
+        0.4,
+        label="first request (miss)",
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [h["median_s"] * 1e3 for h in hit],
+        0.4,
+        yerr=[
+            [(h["median_s"] - h["min_s"]) * 1e3 for h in hit],
+            [(h["max_s"] - h["median_s"]) * 1e3 for h in hit],
+        ],
+        capsize=3,
+        label="repeat: median, range",
+    )
+    labelled = False
+    for x, n in zip(xs, names, strict=True):
+        if "floor_s" not in rows[n]:
+            continue
+        ax.hlines(
+            (rows[n]["floor_s"] + rows[n]["tail"]["median_s"]) * 1e3,
+            x,
+            x + 0.4,
+            colors="black",
+            linestyles="--",
+            label=None if labelled else "floor + tail compute",
+        )
+        labelled = True
+    ax.set_yscale("log")
+    ax.set_xticks(xs, names)
+    ax.set_ylabel("TTFT ms (log scale)")
+    ax.set_title(f"TTFT, {PROMPT_TOKENS}-token prompt, Qwen2.5-0.5B shape, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def report(analysis: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    rows = analysis["rows"]
+    lines = [
+        "# TTFT of a repeated prompt: external KV caches vs recompute",
+        "",
+        f"Made by `{COMMAND}` on {meta['date']}, {meta['machine']}, in "
+        f"{meta['minutes']:.1f} min. vLLM {meta['vllm']} (the patched build; "
+        f"LMCache: the same build with lmcache {meta['lmcache']}). Model: random "
+        "weights with Qwen2.5-0.5B's shape (Qwen2ForCausalLM, 24 layers, hidden "
+        f"896, 14 heads, 2 KV heads, head_dim 64, {meta['dtype']}; "
+        "`project/bench/bench_model.py`), local prefix caching off, "
+        f"`--max-model-len {MAX_MODEL_LEN}`, "
+        f"`VLLM_CPU_KVCACHE_SPACE={meta['kvcache_space']}`."
+        + (
+            " Text and tables rendered again from the run's `ttft.json` "
+            f"(`{COMMAND} --from-json`)."
+            if meta.get("rendered_from_json")
+            else ""
+        ),
+        "",
+        "A server without a connector (recompute) stays up for the whole run; the "
+        "systems are served one after the other beside it. Each gets a "
+        f"{WARMUP_TOKENS}-token warm-up request, then its own random "
+        f"{PROMPT_TOKENS}-token prompt (token ids) once (the miss, which stores "
+        f"it) and {meta['repeats']} times more (the hits). Right after each hit "
+        "the recompute server answers the same prompt and a prompt of the "
+        "length the hit left uncached (the tail compute), so a hit and its "
+        "references run under the same machine load. "
+        "TTFT: time to the first streamed chunk of a one-token completion. "
+        f"Every timed request follows a {PAUSE_S} s pause: vLLM's workers "
+        "busy-loop for 1 s after each step, and a request sent into that spin "
+        "(of either server) shares the 2 cores with it (in a trial run, hits sent "
+        "right after other requests took about twice as long as the first).",
+        "",
+        "| system | miss ms | hit ms, median (range) | cached tokens | recompute ms "
+        "beside it, median (range) | speedup vs recompute: of the medians (each "
+        "hit / the recompute after it: median, range) | hit / floor "
+        "| hit / (floor + tail compute) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        h = row["hit"]
+        hit = f"{ms(h['median_s'])} ({ms(h['min_s'])}–{ms(h['max_s'])})"
+        cached = ", ".join(map(str, sorted(set(row["cached_tokens"]))))
+        if name == "recompute":
+            lines.append(
+                f"| recompute (every request beside a hit) | {ms(row['miss_s'])} | "
+                f"{hit} | 0 | - | 1.0x | - | - |"
+            )
+            continue
+        r = row["recompute"]
+        pairs = row["pair_speedups"]
+        speed = (
+            f"{row['speedup']:.1f}x (per pair {statistics.median(pairs):.1f}x, "
+            f"{min(pairs):.1f}–{max(pairs):.1f}x)"
+        )
+        if row["failed_hits"]:
+            speed += f" (**{row['failed_hits']} repeats not cached**)"
+        floor = f"{row['hit_over_floor']:.0f}" if "floor_s" in row else "n/a"
+        tail = f"{row['hit_over_floor_plus_tail']:.2f}" if "floor_s" in row else "n/a"
+        lines.append(
+            f"| {name} | {ms(row['miss_s'])} | {hit} | {cached} | "
+            f"{ms(r['median_s'])} ({ms(r['min_s'])}–{ms(r['max_s'])}) | {speed} | "
+            f"{floor} | {tail} |"
+        )
+    bw = meta["memcpy"]
+    lines += [
+        "",
+        f"Floor: the KV bytes of the cached prefix ({meta['kv_bytes_per_token']:,} "
+        "bytes per token: layers × 2 × KV heads × head_dim × dtype size) over the "
+        f"measured memcpy bandwidth, {bw['gbps']:.1f} GB/s (torch copy of a "
+        f"{bw['bytes'] / 2**20:.1f} MiB buffer, median of {len(bw['seconds'])}, "
+        "the better of the medians before and after the servers: "
+        + " and ".join(f"{g:.1f}" for g in meta["memcpy_gbps_before_after"])
+        + f" GB/s; `project/bench/memcpy_bandwidth.py`): {meta['floor']}. "
+        "Tail compute, median per system: " + meta["tails"] + ".",
+        "",
+        "## Goals",
+        "",
+        *goals(analysis),
+        "",
+        "## Machine load",
+        "",
+        "The machine is shared with other sessions. 1-minute load average before "
+        "each system's server started / after it stopped (2 cores; our own "
+        "servers add up to about 2 while they compute):",
+        "",
+        "| system | load before | load after |",
+        "|---|---:|---:|",
+        *(
+            f"| {name} | {row['load_before']:.2f} | {row['load_after']:.2f} |"
+            for name, row in rows.items()
+            if "load_before" in row
+        ),
+        "",
+        meta["load_note"],
+        "",
+        "![TTFT per system](ttft.png)",
+        "",
+        "Raw numbers: `ttft.json`.",
+        "",
+    ]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="wb bench --ttft",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--repeats", type=int, default=5, help="hits per system")
+    connectors = [s for s in SYSTEMS if s != "recompute"]
+    p.add_argument("--systems", nargs="+", choices=connectors, default=connectors)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--out", type=Path, default=DOCS)
+    p.add_argument("--keep-logs", action="store_true", help="keep the server logs")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="only write ttft.md and ttft.png again from this run's ttft.json",
+    )
+    args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        saved["meta"]["rendered_from_json"] = True
+        write(saved["analysis"], saved["meta"], args.out)
+        return 0
+    started = time.monotonic()
+    patched = devenv.ensure(ROOT)
+    lmcache = devenv.ensure_lmcache(ROOT) if "lmcache" in args.systems else patched
+    subprocess.run(
+        [
+            str(patched),
+            str(HERE / "bench_model.py"),
+            str(MODEL_DIR),
+            "--dtype",
+            args.dtype,
+        ],
+        check=True,
+    )
+    per_token = kv_bytes_per_token(MODEL_DIR, args.dtype)
+    expected_cached = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    copies = [memcpy(patched, expected_cached * per_token)]
+    step(f"memcpy {copies[0]['gbps']:.2f} GB/s")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    scratch = Path(tempfile.mkdtemp(prefix="kvlc-ttft-"))
+    results: dict[str, Result] = {}
+    ok = False
+    try:
+        with (
+            backing_service("recompute", scratch / "recompute", patched) as system,
+            serving(system, scratch, args.dtype) as (baseline_url, startup),
+        ):
+            baseline = (
+                first_token(baseline_url, prompt(1000, WARMUP_TOKENS)),
+                first_token(baseline_url, prompt(0)),
+            )
+            step(
+                f"recompute: started in {startup:.0f} s, warm-up "
+                f"{baseline[0].ttft_s:.3f} s, first {baseline[1].ttft_s:.3f} s"
+            )
+            for seed, name in enumerate(args.systems, start=1):
+                python = lmcache if name == "lmcache" else patched
+                load_before = loadavg()
+                with (
+                    backing_service(name, scratch / name, python) as system,
+                    serving(system, scratch, args.dtype) as (base_url, startup),
+                ):
+                    step(f"{name}: started in {startup:.0f} s")
+                    shots = measure(
+                        name,
+                        base_url,
+                        baseline_url,
+                        100 * seed,
+                        args.repeats,
+                        expected_cached,
+                    )
+                results[name] = Result(name, *shots, startup, load_before, loadavg())
+        ok = True
+    finally:
+        if ok and not args.keep_logs:
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            step(f"server logs kept in {scratch}")
+    # Measured again after the servers: on a shared machine the better of the
+    # two is closer to what the copy costs, and a floor must not be inflated.
+    copies.append(memcpy(patched, expected_cached * per_token))
+    step(f"memcpy {copies[1]['gbps']:.2f} GB/s")
+    bandwidth = max(copies, key=lambda c: float(c["gbps"]))
+    analysis = analyse(baseline, results, per_token, bandwidth)
+    rows = analysis["rows"]
+    failed = {n: r["failed_hits"] for n, r in rows.items() if r.get("failed_hits")}
+    for name, count in failed.items():
+        step(f"FAILED MEASUREMENT: {name}: {count} repeats reported 0 cached tokens")
+    loads = [r.load_before for r in results.values()]
+    floors = sorted(
+        {
+            f"{r['floor_s'] * 1e3:.1f} ms for "
+            f"{int(statistics.median(c for c in r['cached_tokens'] if c))} tokens"
+            for r in rows.values()
+            if "floor_s" in r
+        }
+    )
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "minutes": (time.monotonic() - started) / 60,
+        "vllm": vllm_version(patched),
+        "lmcache": "0.5.6" if "lmcache" in args.systems else "not run",
+        "dtype": args.dtype,
+        "kvcache_space": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+        "repeats": args.repeats,
+        "memcpy": bandwidth,
+        "memcpy_gbps_before_after": [c["gbps"] for c in copies],
+        "kv_bytes_per_token": per_token,
+        "floor": ", ".join(floors) or "no hits",
+        "tails": ", ".join(
+            f"{name} {'/'.join(map(str, r['tail_tokens']))} tokens "
+            f"{ms(r['tail']['median_s'])} ms"
+            for name, r in rows.items()
+            if "tail" in r
+        ),
+        "load_note": (
+            f"Load average before the servers: {min(loads):.2f} to {max(loads):.2f}"
+            + (
+                "; runs were made under load from other work."
+                if max(loads) > 0.5
+                else "; the machine was otherwise quiet."
+            )
+        ),
+    }
+    write(analysis, meta, args.out)
+    return 1 if failed else 0
+
+
+def write(analysis: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
+    lines = report(analysis, meta)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ttft.md").write_text("\n".join(lines))
+    plot(analysis, out / "ttft.png")
+    (out / "ttft.json").write_text(
+        json.dumps({"meta": meta, "analysis": analysis}, indent=1) + "\n"
+    )
+    print("\n".join(lines))
+    step(f"wrote {out / 'ttft.md'}, ttft.png, ttft.json")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
