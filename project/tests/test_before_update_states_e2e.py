@@ -89,11 +89,13 @@ def test_loaded_kv_gives_same_output_with_fewer_computed_tokens(
     )
     for ref, cap, out in zip(captured["reference"], captured["capture"], load):
         assert out["token_ids"] == ref["token_ids"]
-        # vLLM runs the demo model in bfloat16 on CPU: a different batch
-        # composition moves logprobs by ~1e-3, so the run without connector
-        # is compared loosely and the run that computed the loaded KV tightly.
-        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-2)
-        assert out["logprobs"] == pytest.approx(cap["logprobs"], abs=1e-4)
+        # vLLM runs the demo model in bfloat16 on CPU, and a prefill of
+        # another length is another GEMM shape: on CPUs with AMX the logprobs
+        # then move by up to ~0.03 (measured: the capture run, which loads
+        # nothing, differs from the run without connector by 0.031), on
+        # others by ~1e-3. The greedy tokens must not move at all.
+        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=5e-2)
+        assert out["logprobs"] == pytest.approx(cap["logprobs"], abs=5e-2)
     long_prompt, short_prompt = load
     assert long_prompt["prompt_len"] > HIT_TOKENS
     assert long_prompt["num_cached_tokens"] == HIT_TOKENS
@@ -111,9 +113,11 @@ def test_wrong_kv_changes_output(model: Path, captured: dict[str, Any]):
     )
     ref = captured["reference"][0]
     assert garbage[0]["num_cached_tokens"] == HIT_TOKENS
+    # Far beyond the bf16 noise above (measured: other tokens, logprobs 2.5
+    # apart).
     assert (
         garbage[0]["token_ids"] != ref["token_ids"]
-        or garbage[0]["logprobs"] != pytest.approx(ref["logprobs"], abs=1e-2)
+        or garbage[0]["logprobs"] != pytest.approx(ref["logprobs"], abs=0.5)
     )
 
 
@@ -128,4 +132,5 @@ def test_tp2_ranks_reporting_different_hits_apply_the_minimum(
     assert load[0]["num_cached_tokens"] == 128
     for cap, out in zip(capture, load):
         assert out["token_ids"] == cap["token_ids"]
-        assert out["logprobs"] == pytest.approx(cap["logprobs"], abs=1e-4)
+        # bf16 noise of another prefill length, as above (measured 0.004).
+        assert out["logprobs"] == pytest.approx(cap["logprobs"], abs=5e-2)
