@@ -245,9 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--reps", type=int, default=3, help="scheduler repetitions per build"
+        "--reps", type=int, default=5, help="scheduler repetitions per build"
     )
-    p.add_argument("--serve-reps", type=int, default=2)
+    p.add_argument("--serve-reps", type=int, default=4)
     p.add_argument("--out", type=Path, default=DOCS)
     args = p.parse_args(argv)
     started = time.monotonic()
