@@ -19,7 +19,6 @@ when ``KVLC_REQUIRE_E2E=1``.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -36,11 +35,13 @@ sys.path.insert(0, str(REPO / "project" / "demo"))
 
 import serve_demo  # noqa: E402
 
+# The same greedy request as the Mooncake peer's test.
+from test_scheduler_context_mooncake_e2e import MAX_TOKENS, complete  # noqa: E402
+
 VENV = REPO / "build" / "venv-lmcache"
 VLLM = VENV / "bin" / "vllm"
 RECIPE = "./wb venv --lmcache"
 BLOCK_SIZE = 128  # vLLM's CPU block size; LMCache's chunk size is set to match.
-MAX_TOKENS = 8
 # LMCache copies the KV bytes unchanged, so the logprobs should be equal; the
 # tolerance only absorbs a different (but equally valid) CPU kernel split
 # between a full prefill and a prefill of the uncached tail.
@@ -107,27 +108,6 @@ def lmcache_port() -> Iterator[int]:
         for pid in lmcache_server_pids(port):
             print(f"stopping the auto-started LMCache server, pid {pid}")
             kill_pid(pid)
-
-
-def complete(base_url: str) -> dict[str, Any]:
-    body = {
-        "model": serve_demo.SERVED_NAME,
-        "prompt": serve_demo.PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "logprobs": 1,
-        "return_token_ids": True,
-    }
-    reply = json.loads(serve_demo.http(f"{base_url}/v1/completions", body))
-    choice = reply["choices"][0]
-    details = reply["usage"].get("prompt_tokens_details") or {}
-    return {
-        "text": choice["text"],
-        "token_ids": choice["token_ids"],
-        "logprobs": choice["logprobs"]["token_logprobs"],
-        "prompt_tokens": reply["usage"]["prompt_tokens"],
-        "cached_tokens": details.get("cached_tokens") or 0,
-    }
 
 
 def test_lmcache_mp_repeat_hits_with_same_tokens(
