@@ -15,8 +15,10 @@ sends the same greedy completion twice and exits 0 only if
 
 Otherwise it exits 1 with the reason and the tail of the server log, keeping
 its scratch directory (server log, connector store) for a look. The server
-(its whole process group) is always stopped on exit, SIGTERM included; with
-``--keep-serving`` that happens on Ctrl-C, after the checks.
+(its whole process group) is always stopped on exit. Ctrl-C (SIGINT) or
+SIGTERM, at any point (with ``--keep-serving``: the way to end it), stops the
+server, removes the scratch directory and exits 128 + the signal number (130
+for Ctrl-C) with one line.
 """
 
 from __future__ import annotations
@@ -62,10 +64,33 @@ EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 LOG_TAIL_LINES = 80
+# Where ./wb demo keeps the model (build/ of the repository), also by hand.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "build" / "demo-model"
+# How often to say that the server is still starting.
+HEARTBEAT_S = 15
 
 
 class DemoError(Exception):
     """A check failed or the server misbehaved; the message says which."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; the demo cleans up and exits 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def on_signal(signum: int, frame: object) -> None:
+    """Raise Interrupted for the first SIGINT/SIGTERM, ignore the rest.
+
+    A second Ctrl-C (impatient user, or ``./wb`` forwarding the one the
+    terminal already sent) must not abort the cleanup the first one started.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 @dataclass(frozen=True)
@@ -183,8 +208,11 @@ class Server:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def wait_healthy(self, base_url: str, timeout: float) -> float:
-        """Poll ``/health`` until it answers 200; return the seconds it took."""
+        """Poll ``/health`` until it answers 200; return the seconds it took.
+        Every ``HEARTBEAT_S`` seconds, says so with the log's last line.
+        """
         start = time.monotonic()
+        next_beat = start + HEARTBEAT_S
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
                 raise DemoError(
@@ -193,11 +221,19 @@ class Server:
             with contextlib.suppress(OSError):
                 http(f"{base_url}/health", timeout=5)
                 return time.monotonic() - start
+            if time.monotonic() >= next_beat:
+                next_beat += HEARTBEAT_S
+                last = (self.log_tail(1) or "(nothing yet)")[:160]
+                step(f"server starting, {time.monotonic() - start:.0f} s: {last}")
             time.sleep(1)
         raise DemoError(f"server not healthy after {timeout:.0f} s")
 
     def stop(self, grace: float = 30) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds.
+        Idempotent; the caller keeps signals from interrupting it.
+        """
+        if self._log.closed:
+            return
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -320,7 +356,9 @@ def run_checks(server: Server, base_url: str) -> None:
 
 
 def keep_serving(server: Server, base_url: str, model_dir: Path) -> None:
-    """Leave the server up until it exits or the user presses Ctrl-C."""
+    """Leave the server up until the user presses Ctrl-C (``Interrupted``);
+    raise DemoError if the server exits by itself.
+    """
     # The full demo prompt: its blocks are in the connector's store by now, so
     # the reply shows usage.prompt_tokens_details.cached_tokens > 0.
     body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -329,19 +367,23 @@ def keep_serving(server: Server, base_url: str, model_dir: Path) -> None:
     curl = ["curl", "-s", f"{base_url}/v1/completions"]
     curl += ["-H", "Content-Type: application/json", "-d", f"@{body_path}"]
     step(f"serving {model_dir} at {base_url}; Ctrl-C stops it")
-    step(f"server log, connector store, request body: {server.log_path.parent}")
+    step(f"server log, connector store, request body: {server.log_path.parent} "
+         "(removed on Ctrl-C)")
     step("try: " + shlex.join(curl))
-    step(f"     curl -s {base_url}/metrics | grep -E 'external_prefix_cache|by_source'")
-    with contextlib.suppress(KeyboardInterrupt):
-        server.proc.wait()
+    metrics = "external_prefix_cache|by_source|kvlc_store"
+    step(f"     curl -s {base_url}/metrics | grep -E '{metrics}'")
+    status = server.proc.wait()
+    raise DemoError(f"server exited with {status} while serving")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=os.environ.get("KVLC_DEMO_PROG"), description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--model-dir",
         type=Path,
-        default=Path(tempfile.gettempdir()) / "vllm-kv-demo-model",
+        default=DEFAULT_MODEL_DIR,
         help="tiny model directory, generated if incomplete (default: %(default)s)",
     )
     parser.add_argument(
@@ -361,47 +403,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; 0 when the repeat was served from the connector, else 1."""
+    """Run the demo; 0 when the repeat was served from the connector, 1 when
+    not, 128 + signum when interrupted.
+    """
     args = parse_args(argv)
-    # A plain SIGTERM would end Python without running the cleanup below and
-    # leave the server's process group running. SIGINT is reinstated because a
-    # shell starting us in the background may have set it to "ignore".
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Without a handler SIGTERM ends Python without the cleanup below; SIGINT
+    # is set explicitly because a shell starting us in the background may
+    # have set it to "ignore".
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     started = time.monotonic()
-    step(f"model: {args.model_dir}")
-    model_dir = make_model(args.model_dir)
-    # Logs and connector storage; kept when serving on or when something failed.
-    scratch = Path(tempfile.mkdtemp(prefix="vllm-kv-demo-"))
-    kv_config = args.kv_transfer_config or default_kv_config(scratch / "kv-store")
-    port = args.port or free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    command = server_command(model_dir, port, kv_config)
-    step("starting: " + shlex.join(command))
-    server = Server(command, server_env(), scratch / "server.log")
-    ok = False
+    scratch: Path | None = None
+    server: Server | None = None
+    passed = False
+    interrupted: Interrupted | None = None
     try:
+        step(f"model: {args.model_dir}")
+        model_dir = make_model(args.model_dir)
+        step("model ready")
+        # Logs and connector storage; kept when something failed.
+        scratch = Path(tempfile.mkdtemp(prefix="vllm-kv-demo-"))
+        kv_config = args.kv_transfer_config or default_kv_config(scratch / "kv-store")
+        port = args.port or free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        command = server_command(model_dir, port, kv_config)
+        step("starting: " + shlex.join(command))
+        server = Server(command, server_env(), scratch / "server.log")
+        step(f"server pid {server.proc.pid} (own process group), log: {server.log_path}")
         seconds = server.wait_healthy(base_url, args.startup_timeout)
         step(f"server healthy after {seconds:.1f} s")
         run_checks(server, base_url)
-        ok = True
+        passed = True
         if args.keep_serving:
             keep_serving(server, base_url, model_dir)
+    except Interrupted as exc:
+        interrupted = exc
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         step(f"FAIL: HTTP {exc.code} from {exc.url}: {detail}")
+        passed = False
     except (DemoError, OSError, KeyError, ValueError) as exc:
         step(f"FAIL: {type(exc).__name__}: {exc}")
+        passed = False
     finally:
-        step("stopping the server")
-        server.stop()
-        if not ok:
+        # Nothing may cut the cleanup short; one Interrupted is enough.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if interrupted is None:
+            step("stopping the server")
+        if server is not None:
+            server.stop()
+        if passed or interrupted is not None:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        elif server is not None:
             step(f"last {LOG_TAIL_LINES} lines of the server log {server.log_path}:")
             print(server.log_tail(), flush=True)
-        elif not args.keep_serving:
-            shutil.rmtree(scratch, ignore_errors=True)
+    if interrupted is not None:
+        removed = f", {scratch} removed" if scratch is not None else ""
+        stopped = "server stopped" if server is not None else "no server started"
+        step(f"interrupted ({interrupted}): {stopped}{removed}")
+        return 128 + interrupted.signum
     step(f"done in {time.monotonic() - started:.1f} s")
-    return 0 if ok else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

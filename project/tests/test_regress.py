@@ -5,6 +5,7 @@ and the tree holds a decoy vllm/ source package that must never be imported.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def test_baseline_test_that_fails_is_a_regression(tree: Path, capsys) -> None:
     assert f"REGRESSION: {P}::test_gone (not run)" in out
     assert "test_outside_selection" not in out
     assert "3 tests pass that are not in the baseline" in out
-    assert "regress: 2 regressions" in out
+    assert "regress: FAIL: 2 regressions" in out
 
 
 @pytest.mark.parametrize("version", ["0.32.0+kvlc.cpu", "0.32.0"])
@@ -161,13 +162,13 @@ def test_a_test_the_stack_retires_is_not_a_regression(
     if version.endswith("+kvlc.cpu"):
         assert f"RETIRED: {P}::test_now_fails (failed) by trial" in out
         assert f"RETIRED: {P}::test_param[2] (failed) by trial" in out
-        summary = "regress: 1 regressions against baseline.txt, 2 retired by the stack"
-        assert summary in out
+        summary = "1 regressions against baseline.txt, 2 retired by the stack"
+        assert f"regress: FAIL: {summary}" in out
     else:
         # The unpatched build is not the stack: its retirements do not apply.
         assert "RETIRED" not in out
         assert f"REGRESSION: {P}::test_now_fails (failed)" in out
-        assert "regress: 3 regressions against baseline.txt\n" in out
+        assert "regress: FAIL: 3 regressions against baseline.txt\n" in out
 
 
 def test_retired_node_ids_cover_their_parametrizations_and_children() -> None:
@@ -223,7 +224,25 @@ def test_record_then_compare_is_clean(tree: Path, capsys) -> None:
     assert "# Command: ./wb regress --record --python '<python>' tests" in header
     # Extra pytest arguments pass through after --.
     assert regress.main([*argv, "--", "-k", "not now_fails"]) == 0
-    assert "regress: 0 regressions" in capsys.readouterr().out
+    assert "regress: PASS: 0 regressions" in capsys.readouterr().out
+    # The release's own failures are counted apart from regressions, and the
+    # last line is the verdict.
+    summary = tree.parent / "summary.json"
+    assert regress.main([*argv, "--summary-json", str(summary)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-4].startswith("regress: pytest outcomes: 4 passed, 2 failed")
+    assert lines[-2] == (
+        "regress: 4 of pytest's failures and errors are known: "
+        "not in baseline.txt, they fail on the unpatched release too"
+    )
+    assert lines[-1] == "regress: PASS: 0 regressions against baseline.txt"
+    assert json.loads(summary.read_text()) == {
+        "passed": 4,
+        "regressions": 0,
+        "known_failures": 4,
+        "retired": 0,
+        "skipped": 1,
+    }
 
 
 def test_failing_test_in_a_file_the_stack_adds_is_a_regression() -> None:

@@ -1,4 +1,5 @@
-"""``./wb``: the workbench command line. Run ``./wb --help``."""
+"""The workbench: the pinned vLLM release plus patches/ give the patched tree,
+its wheel, the stacked PRs, the demo and the tests (see README.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from workbench import (
     build,
     check,
+    demo,
     devenv,
     export,
     materialize,
@@ -111,19 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    python = devenv.ensure(args.root)
-    demo = args.root / "project" / "demo"
-    model = args.root / "build" / "demo-model"
-    _call([str(python), str(demo / "make_model.py"), str(model)])
-    return _call(
-        [
-            str(python),
-            str(demo / "serve_demo.py"),
-            "--model-dir",
-            str(model),
-            *args.rest,
-        ]
-    )
+    return demo.run(args.root, args.rest)
 
 
 def cmd_test(args: argparse.Namespace) -> int:
@@ -303,3 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     except WorkbenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("wb: interrupted", file=sys.stderr)
+        return 130

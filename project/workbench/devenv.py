@@ -8,7 +8,10 @@ tests twice does not rebuild the wheel twice.
 from __future__ import annotations
 
 import hashlib
+import queue
 import subprocess
+import threading
+import time
 import venv
 from pathlib import Path
 
@@ -49,6 +52,74 @@ def _run(cmd: list[str], what: str) -> None:
         raise WorkbenchError(f"{what} failed (command above)")
 
 
+# pip lines that say where an install is; the rest goes to the log only.
+_PIP_PROGRESS = (
+    "Collecting ",
+    "Installing build dependencies",
+    "Preparing metadata",
+    "Building wheel",
+    "Installing collected",
+    "Successfully",
+    "ERROR",
+)
+HEARTBEAT_S = 20
+
+
+def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
+    """``pip install args`` with its progress shown and its full output in
+    ``log``: what it collects, builds and installs, and every ``HEARTBEAT_S``
+    seconds of silence a line with the time so far (the patched build, which
+    downloads and repacks the release wheel, is minutes of silence in pip).
+    """
+    cmd = [str(python), "-m", "pip", "install", "--progress-bar", "off", *args]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    print(f"  {what}; full pip output: {log}", flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    last_said = started
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        latest = ""
+        while True:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            now = time.monotonic()
+            if line:
+                out.write(line)
+                latest = line.strip() or latest
+                if line.lstrip().startswith(_PIP_PROGRESS):
+                    print(f"  {line.rstrip()[:200]}", flush=True)
+                    last_said = now
+            if now - last_said >= HEARTBEAT_S:
+                print(
+                    f"  ... {now - started:.0f} s, pip still working"
+                    + (f" (last: {latest[:120]})" if latest else ""),
+                    flush=True,
+                )
+                last_said = now
+        status = proc.wait()
+    if status != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise WorkbenchError(f"{what} failed (full output: {log}):\n{tail}")
+    print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
+
+
 def ensure(root: Path) -> Path:
     """Return ``.venv``'s python with the patched vLLM and test tools installed."""
     env_dir = root / ".venv"
@@ -61,13 +132,9 @@ def ensure(root: Path) -> Path:
     if not python.exists():
         print(f"creating {env_dir}")
         venv.create(env_dir, with_pip=True)
-    _run(
+    _pip_install(
+        python,
         [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
             str(root),
             "-r",
             str(root / TEST_REQUIREMENTS),
@@ -76,7 +143,9 @@ def ensure(root: Path) -> Path:
             "-e",
             str(root / CONNECTOR),
         ],
-        "installing the patched vLLM",
+        "installing the patched vLLM (built from the release and patches/), "
+        "the test requirements and the reference connector",
+        env_dir / "kvlc-pip-install.log",
     )
     version = subprocess.run(
         [str(env_dir / "bin" / "vllm"), "--version"],
@@ -107,7 +176,7 @@ def _side_env(env_dir: Path, state: str, packages: list[str], what: str) -> Path
     print(f"creating {env_dir} with {what}")
     venv.create(env_dir, with_pip=True, clear=True)
     pip = [str(python), "-m", "pip"]
-    _run([*pip, "install", "--quiet", *packages], f"installing {what}")
+    _pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
     _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
     _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
     marker.write_text(state)

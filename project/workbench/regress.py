@@ -465,6 +465,12 @@ def _parser() -> argparse.ArgumentParser:
         "--file-durations", type=Path, help="write seconds per test file here"
     )
     p.add_argument(
+        "--summary-json",
+        type=Path,
+        help="write the verdict's counts here (passed, regressions, "
+        "known_failures, retired, skipped), for ./wb test",
+    )
+    p.add_argument(
         "paths", nargs="*", help="test paths (default: the standard selection)"
     )
     return p
@@ -505,7 +511,7 @@ def main(argv: Sequence[str]) -> int:
             durations = format_durations(file_durations(junit, tests_root))
             args.file_durations.write_text(durations)
     tally = ", ".join(f"{n} {o}" for o, n in counts(run.outcomes).items())
-    print(f"regress: {tally} in {run.seconds / 60:.1f} min")
+    print(f"regress: pytest outcomes: {tally} in {run.seconds / 60:.1f} min")
     if args.record:
         if "passed" not in run.outcomes.values():
             raise WorkbenchError("no test passed; not recording an empty baseline")
@@ -537,8 +543,33 @@ def main(argv: Sequence[str]) -> int:
         print(f"RETIRED: {node} ({outcome}) by {entry}")
     for node, outcome in result.regressions:
         print(f"REGRESSION: {node} ({outcome})")
+    accounted = {n for n, _ in result.regressions} | {n for n, *_ in result.retired}
+    known = [
+        n
+        for n, o in run.outcomes.items()
+        if o in ("failed", "error") and n not in accounted
+    ]
+    # pytest's own "N failed" above counts these too: say they are not news.
+    print(
+        f"regress: {len(known)} of pytest's failures and errors are known: "
+        f"not in {args.baseline.name}, they fail on the unpatched release too"
+    )
     summary = f"{len(result.regressions)} regressions against {args.baseline.name}"
     if stack_under_test:
         summary += f", {len(result.retired)} retired by the stack"
-    print(f"regress: {summary}")
+    verdict = "FAIL" if result.regressions else "PASS"
+    if args.summary_json:
+        tallies = counts(run.outcomes)
+        args.summary_json.write_text(
+            json.dumps(
+                {
+                    "passed": tallies["passed"],
+                    "regressions": len(result.regressions),
+                    "known_failures": len(known),
+                    "retired": len(result.retired),
+                    "skipped": tallies["skipped"],
+                }
+            )
+        )
+    print(f"regress: {verdict}: {summary}")
     return 1 if result.regressions else 0
