@@ -367,8 +367,10 @@ def keep_serving(server: Server, base_url: str, model_dir: Path) -> None:
     curl = ["curl", "-s", f"{base_url}/v1/completions"]
     curl += ["-H", "Content-Type: application/json", "-d", f"@{body_path}"]
     step(f"serving {model_dir} at {base_url}; Ctrl-C stops it")
-    step(f"server log, connector store, request body: {server.log_path.parent} "
-         "(removed on Ctrl-C)")
+    step(
+        f"server log, connector store, request body: {server.log_path.parent} "
+        "(removed on Ctrl-C)"
+    )
     step("try: " + shlex.join(curl))
     metrics = "external_prefix_cache|by_source|kvlc_store"
     step(f"     curl -s {base_url}/metrics | grep -E '{metrics}'")
@@ -429,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         command = server_command(model_dir, port, kv_config)
         step("starting: " + shlex.join(command))
         server = Server(command, server_env(), scratch / "server.log")
-        step(f"server pid {server.proc.pid} (own process group), log: {server.log_path}")
+        pid, log = server.proc.pid, server.log_path
+        step(f"server pid {pid} (own process group), log: {log}")
         seconds = server.wait_healthy(base_url, args.startup_timeout)
         step(f"server healthy after {seconds:.1f} s")
         run_checks(server, base_url)

@@ -93,7 +93,9 @@ def test_wb_demo_hits_on_repeat_and_ctrl_c_stops_it(model: Path):
 
 
 def test_ctrl_c_while_the_server_starts(model: Path):
-    proc = start([sys.executable, str(DEMO / "serve_demo.py"), "--model-dir", str(model)])
+    proc = start(
+        [sys.executable, str(DEMO / "serve_demo.py"), "--model-dir", str(model)]
+    )
     output = read_until(proc, "server pid", timeout=300)
     time.sleep(3)  # the API server is importing vLLM, maybe spawning its engine
     status, rest = ctrl_c(proc)

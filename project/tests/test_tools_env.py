@@ -19,7 +19,7 @@ from workbench import tools
 
 # A PEP 517 backend that makes the tools environment while pip builds it, as
 # `pip install .` of the repository does (build.py may need `wheel`).
-BACKEND = '''
+BACKEND = """
 import os, sys, zipfile
 from pathlib import Path
 
@@ -42,7 +42,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         for path, text in files.items():
             whl.writestr(path, text)
     return name
-'''
+"""
 
 
 def _env(cache: Path) -> dict[str, str]:
@@ -105,9 +105,7 @@ def test_broken_tools_env_is_repaired_and_concurrent_makers_agree(
     )
     cmd = [sys.executable, "-c", code, str(REPO / "project")]
     makers = [
-        subprocess.Popen(
-            cmd, env=_env(cache), stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     outputs = [m.communicate(timeout=600)[0] for m in makers]

@@ -4,7 +4,6 @@ its wheel, the stacked PRs, the demo and the tests (see README.md)."""
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from workbench import (
     refresh,
     regress,
     stack,
+    testrun,
     upstream,
 )
 from workbench.errors import WorkbenchError
@@ -118,52 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_test(args: argparse.Namespace) -> int:
     """What CI runs: project lint, the project's tests, upstream's tests (fast set)."""
-    python = devenv.ensure(args.root)
-    tools = str(tools_python())
-    # The end-to-end tests compare with the release and must not skip in CI.
-    unpatched = devenv.ensure_unpatched(args.root)
-    devenv.ensure_lmcache(args.root)
-    e2e_env = {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
-    steps: list[tuple[str, list[str], dict[str, str]]] = [
-        (
-            "project hooks",
-            [tools, "-m", "pre_commit", "run", "--all-files", "--color", "never"],
-            {},
-        ),
-        (
-            "project tests",
-            [
-                str(python),
-                "-m",
-                "pytest",
-                "-p",
-                "no:cacheprovider",
-                "project/tests",
-                *args.rest,
-            ],
-            e2e_env,
-        ),
-        (
-            "upstream and stack tests",
-            [
-                sys.executable,
-                str(args.root / "wb"),
-                "regress",
-                "--python",
-                str(python),
-                "--fast",
-                "--stack",
-            ],
-            {},
-        ),
-    ]
-    failed = []
-    for name, cmd, env in steps:
-        print(f"=== {name}", flush=True)
-        if _call(cmd, cwd=args.root, env={**os.environ, **env}) != 0:
-            failed.append(name)
-    print("=== " + (f"FAILED: {', '.join(failed)}" if failed else "all tests passed"))
-    return 1 if failed else 0
+    return testrun.run(args.root, args.rest)
 
 
 def _call(
