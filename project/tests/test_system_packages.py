@@ -27,7 +27,7 @@ def machine(
     """
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "grep", "cat", "tail", "rm", "mktemp", "touch"):
+    for tool in ("bash", "grep", "cat", "tail", "rm", "mktemp", "touch", "chmod"):
         found = shutil.which(tool)
         assert found, tool
         (bin_dir / tool).symlink_to(found)
