@@ -130,10 +130,15 @@ def run(root: Path, rest: list[str]) -> int:
     print("=== upstream and stack tests", flush=True)
     verdicts.append(_upstream_tests(root, python))
     print(verdicts[-1].line(), flush=True)
-    print("=== summary", flush=True)
-    for verdict in verdicts:
-        print(verdict.line(), flush=True)
+    lines, status = summary(verdicts)
+    print("\n".join(lines), flush=True)
+    return status
+
+
+def summary(verdicts: list[Verdict]) -> tuple[list[str], int]:
+    """The closing lines (each step's verdict, then the count) and the exit status."""
     passed = sum(v.passed for v in verdicts)
     failed = sum(v.failed for v in verdicts)
-    print(f"=== {passed} passed, {failed} failed ===", flush=True)
-    return 1 if failed else 0
+    lines = ["=== summary", *(v.line() for v in verdicts)]
+    lines.append(f"=== {passed} passed, {failed} failed ===")
+    return lines, 1 if failed else 0

@@ -1,0 +1,87 @@
+"""``./wb test``'s verdicts (``workbench.testrun``), each step fed a real
+pytest run or a stand-in for the tool it calls."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from workbench import testrun
+
+HOOKS_OUTPUT = """\
+ruff check...........................................................Passed
+ruff format..........................................................Passed
+mypy (strict) on the workbench and the demo..........................Failed
+- hook id: mypy
+- exit code: 1
+mypy (strict) on the connector.................(no files to check)Skipped
+"""
+
+
+def executable(path: Path, body: str) -> Path:
+    path.write_text(f"#!{sys.executable}\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_hooks_verdict_counts_hooks(tmp_path: Path):
+    tools = executable(
+        tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
+    )
+    verdict = testrun._hooks(tmp_path, tools)
+    assert (verdict.passed, verdict.failed) == (2, 1)
+    assert verdict.line() == (
+        "=== project hooks: FAIL: 2 hooks passed, 1 failed: "
+        "mypy (strict) on the workbench and the demo"
+    )
+
+
+def test_project_tests_verdict_counts_pytest_outcomes(tmp_path: Path):
+    tests = tmp_path / "project" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_some.py").write_text(
+        "import pytest\n"
+        "def test_a(): pass\n"
+        "def test_b(): pass\n"
+        "def test_c(): assert False\n"
+        "def test_d(): pytest.skip('no')\n"
+    )
+    verdict = testrun._project_tests(tmp_path, Path(sys.executable), {}, [])
+    assert (verdict.passed, verdict.failed) == (2, 1)
+    assert verdict.line() == "=== project tests: FAIL: 2 passed, 1 failed, 1 skipped"
+
+
+def test_upstream_verdict_counts_regressions_not_known_failures(tmp_path: Path):
+    counts = {
+        "passed": 900,
+        "regressions": 0,
+        "known_failures": 51,
+        "retired": 2,
+        "skipped": 40,
+    }
+    # A stand-in for `wb regress`: writes the verdict it was asked for.
+    executable(
+        tmp_path / "wb",
+        "import json, sys\n"
+        "out = sys.argv[sys.argv.index('--summary-json') + 1]\n"
+        f"open(out, 'w').write(json.dumps({counts!r}))\n"
+        "print('51 failed, 900 passed')",
+    )
+    verdict = testrun._upstream_tests(tmp_path, Path(sys.executable))
+    assert (verdict.passed, verdict.failed) == (900, 0)
+    assert verdict.line().startswith(
+        "=== upstream and stack tests: PASS: 0 regressions"
+    )
+    lines, status = testrun.summary(
+        [testrun.Verdict("project tests", 120, 0, "120 passed"), verdict]
+    )
+    assert status == 0
+    assert lines[-1] == "=== 1020 passed, 0 failed ==="
+
+
+def test_a_step_that_gives_no_verdict_fails(tmp_path: Path):
+    executable(tmp_path / "wb", "import sys; sys.exit(2)")
+    verdict = testrun._upstream_tests(tmp_path, Path(sys.executable))
+    assert verdict.failed == 1
+    lines, status = testrun.summary([verdict])
+    assert status == 1 and lines[-1] == "=== 0 passed, 1 failed ==="
