@@ -53,7 +53,8 @@ def read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
         seen.append(line)
         if marker in line:
             return "".join(seen)
-    pytest.fail(f"no {marker!r} in:\n" + "".join(seen)[-4000:])
+    steps = "".join(line for line in seen if line.startswith("[demo]"))
+    pytest.fail(f"no {marker!r} in:\n{steps}...\n" + "".join(seen)[-3000:])
 
 
 def ctrl_c(proc: subprocess.Popen[str]) -> tuple[int, str]:
@@ -80,7 +81,7 @@ def test_patched_vllm_is_installed():
 
 def test_wb_demo_hits_on_repeat_and_ctrl_c_stops_it(model: Path):
     proc = start([sys.executable, str(REPO / "wb"), "demo", "--model-dir", str(model),
-                  "--keep-serving"])  # fmt: skip
+                  "--keep-serving", "--startup-timeout", "800"])  # fmt: skip
     output = read_until(proc, "/metrics | grep", timeout=900)
     assert "PASS: request 2 loaded" in output
     assert "vllm:external_prefix_cache_hits_total: request 1 +0.0" in output
