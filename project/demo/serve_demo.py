@@ -246,6 +246,31 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self._log.close()
+        # SIGKILL is delivered asynchronously: return once the group is gone.
+        deadline = time.monotonic() + 10
+        while (left := live_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if left:
+            step(f"server processes {left} survived SIGKILL")
+
+
+def live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that are not zombies (Linux /proc).
+
+    Zombies count as gone: killed children of the API server wait to be
+    reaped by init, which may take its time in a container.
+    """
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited meanwhile
+        # The command name may hold spaces and parentheses: split after it.
+        state, _ppid, pgrp = text.rpartition(")")[2].split()[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
 
 
 def metric_sum(metrics: str, name: str, label: str = "") -> float | None:
