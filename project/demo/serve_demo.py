@@ -420,7 +420,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="connector config JSON (default: StoreConnector on a temp dir)",
     )
     parser.add_argument("--port", type=int, default=0, help="default: a free one")
-    parser.add_argument("--startup-timeout", type=float, default=300)
+    # A loaded 2-core machine was seen taking 260 s.
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600,
+        help="seconds the server may take to start (default: %(default)s)",
+    )
     parser.add_argument(
         "--keep-serving",
         action="store_true",
