@@ -229,7 +229,9 @@ class StoreConnector(KVConnectorBase_V1):
         self._backend = make_backend(self._config)
         self._stats = StoreConnectorStats()
         self._warned: set[str] = set()
-        self._store_down = False
+        # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
+        # full disk stops saves while reads still hit.
+        self._store_down: set[str] = set()
 
         # Scheduler side.
         self._scheduler_context: Any = None
@@ -271,18 +273,23 @@ class StoreConnector(KVConnectorBase_V1):
             self._warned.add(what)
             logger.warning(message, *args)
 
-    def _unavailable(self, e: BackendUnavailable) -> None:
+    def _unavailable(self, e: BackendUnavailable, what: str = "read") -> None:
+        """Count a failed store operation; warn once until it works again."""
         self._stats.inc("store_errors")
-        if not self._store_down:
-            self._store_down = True
+        if what not in self._store_down:
+            self._store_down.add(what)
+            consequence = "skipping saves" if what == "write" else "running on misses"
             logger.warning(
-                "StoreConnector: store unreachable, running on misses: %s", e
+                "StoreConnector: store %s failed, %s until it works again: %s",
+                what,
+                consequence,
+                e,
             )
 
-    def _available(self) -> None:
-        if self._store_down:
-            self._store_down = False
-            logger.info("StoreConnector: store reachable again")
+    def _available(self, what: str = "read") -> None:
+        if what in self._store_down:
+            self._store_down.discard(what)
+            logger.info("StoreConnector: store %s works again", what)
 
     def _bad_chunk(self, key: str, error: ChunkError) -> None:
         self._stats.inc("corrupt_chunks")
@@ -722,14 +729,15 @@ class StoreConnector(KVConnectorBase_V1):
                     self._saved.failed.add(save.block_id)
 
     def _save_block(self, save: SaveSpec) -> bool:
-        """Write one block; False if the store is unreachable."""
+        """Write one block; False if the store failed (unreachable, full,
+        an I/O error): the save is skipped, the server goes on."""
         key = save.keys[self._rank]
         data = encode_chunk(self._identity, key, self._extract(save.block_id))
         try:
             evicted = self._backend.put(key, data)
-            self._available()
+            self._available("write")
         except BackendUnavailable as e:
-            self._unavailable(e)
+            self._unavailable(e, "write")
             return False
         self._stats.inc("stored_bytes", len(data))
         self._stats.inc("stored_chunks")
