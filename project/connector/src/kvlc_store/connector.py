@@ -1,10 +1,10 @@
 """StoreConnector: a content-addressed KV store for vLLM, as a plain package.
 
-Load it with::
+Load it with (the package's plugin entry point registers the name; adding
+``"kv_connector_module_path": "kvlc_store"`` works too)::
 
     --kv-transfer-config '{"kv_connector": "StoreConnector",
-      "kv_connector_module_path": "kvlc_store", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"path": "<store dir>"}}'
+      "kv_role": "kv_both", "kv_connector_extra_config": {"path": "<store dir>"}}'
 
 One chunk per KV-cache block (``block_size`` tokens, all layers of one TP
 rank), keyed by vLLM's block hash of that block (``request.block_hashes``:
