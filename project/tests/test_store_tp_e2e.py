@@ -13,15 +13,19 @@ ranks that disagree load only their common prefix.
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store_connector_e2e import BLOCK, Answer, Engine, prompt, serve_demo
-
+from conftest import REPO
 from kvlc_store.chunk import encode_chunk, read_header
-from make_model import make_model
+from test_store_connector_e2e import BLOCK, Answer, Engine, prompt
+
+sys.path.insert(0, str(REPO / "project" / "demo"))
+import serve_demo  # noqa: E402
+from make_model import make_model  # noqa: E402
 
 # Every prompt the tests send; the reference server answers each once.
 TAGS = ("tp", "split", "truncated", "foreign", "deleted")

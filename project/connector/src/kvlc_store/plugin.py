@@ -20,6 +20,7 @@ store directory is only created once every other key is valid).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from typing import Any
 
@@ -38,12 +39,11 @@ def register() -> None:
     early settings check. Safe to call any number of times."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    try:
+    # ValueError: already registered, by this plugin in this process.
+    with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector(
             CONNECTOR, f"{PACKAGE}.connector", CONNECTOR
         )
-    except ValueError:
-        pass  # Already registered: by this plugin, in this process.
     _install_check()
 
 
@@ -84,5 +84,6 @@ def _install_check() -> None:
 
     # pydantic's dataclass validator looks ``__post_init__`` up on the class
     # each time it builds an instance, so replacing it takes effect at once.
-    setattr(KVTransferConfig, "__post_init__", __post_init__)
+    # setattr: mypy refuses assigning to a method.
+    setattr(KVTransferConfig, "__post_init__", __post_init__)  # noqa: B010
     setattr(KVTransferConfig, _CHECK_MARK, True)
