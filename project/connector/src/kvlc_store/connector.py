@@ -161,6 +161,17 @@ class LoadSpec:
 
 
 @dataclass
+class WorkerLoad:
+    """Blocks a worker found itself (``before_update_states``), with the
+    chunks it read and checked then: only whole chunks become hits."""
+
+    lease_id: str
+    block_ids: list[int]
+    keys: list[str]
+    payloads: list[memoryview]
+
+
+@dataclass
 class ProbeSpec:
     """Blocks of a new prompt the scheduler did not find: the worker looks
     them up again in before_update_states."""
@@ -247,7 +258,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._layers: list[tuple[torch.Tensor, int, int]] = []  # tensor, dim, per
         self._rank = 0
         self._load_errors: set[int] = set()
-        self._worker_loads: list[LoadSpec] = []
+        self._worker_loads: list[WorkerLoad] = []
         self._saved = SavedBlocks()
         logger.info(
             "StoreConnector (%s) on %s backend, identity %s; stack hooks: "
@@ -670,15 +681,40 @@ class StoreConnector(KVConnectorBase_V1):
             except BackendUnavailable as e:
                 self._unavailable(e)
                 continue
-            if n == 0:
+            # A hit reported here cannot be taken back (a failed load fails
+            # the request under vLLM's default kv_load_failure_policy), so
+            # the chunks are read and checked now; the hit ends at the first
+            # one that is missing or damaged.
+            payloads = self._read_chunks(keys[:n])
+            if len(payloads) < n:
+                self._release(lease_id, keys[len(payloads) : n], count=False)
+            if not payloads:
                 continue
+            n = len(payloads)
             self._worker_loads.append(
-                LoadSpec(
-                    probe.req_id, lease_id, probe.block_ids[:n], [[k] for k in keys[:n]]
-                )
+                WorkerLoad(lease_id, probe.block_ids[:n], keys[:n], payloads)
             )
             hits[probe.req_id] = n * self._block_size
         return hits
+
+    def _read_chunks(self, keys: Sequence[str]) -> list[memoryview]:
+        """The payloads of the leading ``keys`` that are stored and whole."""
+        payloads: list[memoryview] = []
+        for key in keys:
+            try:
+                data = self._backend.get(key)
+            except BackendUnavailable as e:
+                self._unavailable(e)
+                break
+            if data is None:
+                break
+            try:
+                payloads.append(decode_chunk(data, self._identity, key))
+            except ChunkError as e:
+                self._bad_chunk(key, e)
+                break
+            self._stats.inc("loaded_bytes", len(data))
+        return payloads
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -692,21 +728,22 @@ class StoreConnector(KVConnectorBase_V1):
             if spec.lease_id is not None:
                 self._release(spec.lease_id, keys, count=self._rank == 0)
         worker_loads, self._worker_loads = self._worker_loads, []
-        for spec in worker_loads:
-            keys = [k[0] for k in spec.keys]
+        for load in worker_loads:
             loaded = 0
-            for block_id, key in zip(spec.block_ids, keys, strict=False):
-                # A failure here only costs a recompute if the runner applied
-                # fewer hits; report it like any load error.
-                if self._load_block(block_id, key):
+            for block_id, key, payload in zip(
+                load.block_ids, load.keys, load.payloads, strict=True
+            ):
+                if self._inject(block_id, payload):
                     loaded += 1
                 else:
+                    self._bad_chunk(
+                        key, ChunkError("payload size does not fit this layout")
+                    )
                     self._load_errors.add(block_id)
                     self._stats.inc("load_errors")
             if self._rank == 0:
                 self._stats.inc("worker_hit_tokens", loaded * self._block_size)
-            assert spec.lease_id is not None
-            self._release(spec.lease_id, keys, count=False)
+            self._release(load.lease_id, load.keys, count=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
