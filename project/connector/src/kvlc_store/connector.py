@@ -698,8 +698,13 @@ class StoreConnector(KVConnectorBase_V1):
         return hits
 
     def _read_chunks(self, keys: Sequence[str]) -> list[memoryview]:
-        """The payloads of the leading ``keys`` that are stored and whole."""
+        """The payloads of the leading ``keys`` that are stored and whole.
+
+        Like ``_verified_prefix``, reads on past a damaged chunk: each one
+        found is deleted now, so this request's save writes it again.
+        """
         payloads: list[memoryview] = []
+        damaged = False
         for key in keys:
             try:
                 data = self._backend.get(key)
@@ -709,11 +714,14 @@ class StoreConnector(KVConnectorBase_V1):
             if data is None:
                 break
             try:
-                payloads.append(decode_chunk(data, self._identity, key))
+                payload = decode_chunk(data, self._identity, key)
             except ChunkError as e:
                 self._bad_chunk(key, e)
-                break
-            self._stats.inc("loaded_bytes", len(data))
+                damaged = True
+                continue
+            if not damaged:
+                payloads.append(payload)
+                self._stats.inc("loaded_bytes", len(data))
         return payloads
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
