@@ -121,7 +121,6 @@ def default_kv_config(storage: Path) -> dict[str, Any]:
     """The reference connector (``project/connector``) on a directory store."""
     return {
         "kv_connector": "StoreConnector",
-        "kv_connector_module_path": "kvlc_store",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"path": str(storage)},
     }

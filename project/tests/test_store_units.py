@@ -177,7 +177,7 @@ def test_directory_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         raise OSError("disk gone")
 
     monkeypatch.setattr(os, "write", crash_midway)
-    with pytest.raises(OSError):
+    with pytest.raises(BackendUnavailable, match="disk gone"):
         b.put(key(1), bytes(1000))
     monkeypatch.undo()
     assert b.get(key(1)) is None

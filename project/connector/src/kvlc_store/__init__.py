@@ -1,9 +1,10 @@
 """kvlc-store-connector: a content-addressed KV cache store for vLLM.
 
-``kv_connector_module_path`` is this package (``kvlc_store``) and
-``kv_connector`` is ``StoreConnector``. The connector (and so vLLM) is
-imported on first use, so the store, chunk and config modules stay usable
-without vLLM.
+Installed, it is the connector ``StoreConnector`` by name: its
+``vllm.general_plugins`` entry point (``kvlc_store.plugin``) registers it with
+vLLM. ``kv_connector_module_path = "kvlc_store"`` works too. The connector
+(and so vLLM) is imported on first use, so the store, chunk and config
+modules stay usable without vLLM.
 """
 
 from typing import Any

@@ -15,22 +15,29 @@ state that matters lives in the store itself:
   ``release``; a lease expires on its own after its TTL (a server that died
   holding it cannot pin chunks forever).
 
-A store that cannot be reached raises ``BackendUnavailable``; callers treat it
-as a miss (lookups, loads) or a skipped store (saves).
+A store that cannot be reached, or fails (a full disk, an I/O error, a
+directory deleted or made read-only), raises ``BackendUnavailable`` and never
+anything else; callers treat it as a miss (lookups, loads) or a skipped save.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 LOW_WATERMARK = 0.9
+
+# Under vLLM's logger when the connector runs in a server (see connector.py).
+logger = logging.getLogger(f"vllm.{__name__}")
+
+_T = TypeVar("_T")
 
 
 class BackendUnavailable(Exception):
@@ -91,6 +98,11 @@ class DirectoryBackend:
     There is no fsync: after a power loss a renamed chunk may be empty or
     torn, and its checksum makes it a miss; a cache need not survive one.
     LRU order is file mtime (a ``get`` touches the file).
+
+    Every file-system error of an operation (``OSError``: missing directory,
+    permission, full disk, I/O error) is ``BackendUnavailable``. If the
+    directory or its layout was deleted, the operation recreates the layout
+    and tries once more: the store comes back by itself, empty.
     """
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
@@ -99,15 +111,38 @@ class DirectoryBackend:
         self._chunks = root / "chunks"
         self._leases = root / "leases"
         self._tmp = root / "tmp"
+        self._lock_path = root / ".lock"
+        self._size_path = root / "size"
+        self._make_layout()
+        self._clean_tmp()
+
+    def _make_layout(self) -> None:
         for d in (self._chunks, self._leases, self._tmp):
             d.mkdir(parents=True, exist_ok=True)
-        self._lock_path = root / ".lock"
         self._lock_path.touch(exist_ok=True)
-        self._size_path = root / "size"
         if not self._size_path.exists():
             with self._locked():
                 self._write_size(self._scan_size())
-        self._clean_tmp()
+
+    def _io(self, op: Callable[[], _T]) -> _T:
+        """Run one store operation, with file-system errors as
+        ``BackendUnavailable``."""
+        try:
+            return op()
+        except FileNotFoundError:
+            pass  # Part of the layout is gone: recreate it below.
+        except OSError as e:
+            raise BackendUnavailable(f"store directory {self.root}: {e}") from e
+        try:
+            self._make_layout()
+            logger.warning(
+                "StoreConnector: store directory %s was missing (deleted?); "
+                "recreated it empty",
+                self.root,
+            )
+            return op()
+        except OSError as e:
+            raise BackendUnavailable(f"store directory {self.root}: {e}") from e
 
     # -- paths ------------------------------------------------------------
 
@@ -142,6 +177,9 @@ class DirectoryBackend:
     # -- chunks -----------------------------------------------------------
 
     def put(self, key: str, data: bytes) -> int:
+        return self._io(lambda: self._put(key, data))
+
+    def _put(self, key: str, data: bytes) -> int:
         path = self._path(key)
         if path.exists():
             return 0
@@ -167,6 +205,9 @@ class DirectoryBackend:
             return self._evict()
 
     def get(self, key: str) -> bytes | None:
+        return self._io(lambda: self._get(key))
+
+    def _get(self, key: str) -> bytes | None:
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -177,6 +218,9 @@ class DirectoryBackend:
         return data
 
     def delete(self, key: str) -> None:
+        return self._io(lambda: self._delete(key))
+
+    def _delete(self, key: str) -> None:
         path = self._path(key)
         with self._locked():
             try:
@@ -187,6 +231,9 @@ class DirectoryBackend:
             self._write_size(max(0, self._read_size() - size))
 
     def num_bytes(self) -> int:
+        return self._io(lambda: self._num_bytes())
+
+    def _num_bytes(self) -> int:
         return self._scan_size()
 
     # The running total of chunk bytes, shared by every process (a file
@@ -213,6 +260,9 @@ class DirectoryBackend:
     # -- leases -----------------------------------------------------------
 
     def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        return self._io(lambda: self._lease(keys, lease_id, ttl_s))
+
+    def _lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
         with self._locked():
             n = 0
             for key in keys:
@@ -225,6 +275,9 @@ class DirectoryBackend:
             return n
 
     def release(self, keys: Sequence[str], lease_id: str) -> None:
+        return self._io(lambda: self._release(keys, lease_id))
+
+    def _release(self, keys: Sequence[str], lease_id: str) -> None:
         path = self._leases / lease_id
         with self._locked():
             try:

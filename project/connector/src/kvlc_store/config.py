@@ -2,8 +2,8 @@
 
 ``parse_config`` checks every key and value (and that the store is usable: the
 directory writable, Redis answering) and raises one ``ValueError`` listing
-each problem with the key it concerns and how to fix it, before anything is
-created.
+each problem with the key it concerns and how to fix it. The store is only
+touched once every other setting is valid, so a bad config creates nothing.
 """
 
 from __future__ import annotations
@@ -204,7 +204,9 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
             bad("path", raw, "set the directory the store keeps its chunks in")
         else:
             path = Path(raw).expanduser().resolve()
-            if check_store:
+            # Last, and only for an otherwise valid config: the check creates
+            # the directory.
+            if check_store and not problems:
                 problem = _check_directory(path)
                 if problem:
                     bad("path", raw, problem)

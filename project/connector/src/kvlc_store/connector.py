@@ -1,10 +1,10 @@
 """StoreConnector: a content-addressed KV store for vLLM, as a plain package.
 
-Load it with::
+Load it with (the package's plugin entry point registers the name; adding
+``"kv_connector_module_path": "kvlc_store"`` works too)::
 
     --kv-transfer-config '{"kv_connector": "StoreConnector",
-      "kv_connector_module_path": "kvlc_store", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"path": "<store dir>"}}'
+      "kv_role": "kv_both", "kv_connector_extra_config": {"path": "<store dir>"}}'
 
 One chunk per KV-cache block (``block_size`` tokens, all layers of one TP
 rank), keyed by vLLM's block hash of that block (``request.block_hashes``:
@@ -161,6 +161,17 @@ class LoadSpec:
 
 
 @dataclass
+class WorkerLoad:
+    """Blocks a worker found itself (``before_update_states``), with the
+    chunks it read and checked then: only whole chunks become hits."""
+
+    lease_id: str
+    block_ids: list[int]
+    keys: list[str]
+    payloads: list[memoryview]
+
+
+@dataclass
 class ProbeSpec:
     """Blocks of a new prompt the scheduler did not find: the worker looks
     them up again in before_update_states."""
@@ -229,7 +240,9 @@ class StoreConnector(KVConnectorBase_V1):
         self._backend = make_backend(self._config)
         self._stats = StoreConnectorStats()
         self._warned: set[str] = set()
-        self._store_down = False
+        # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
+        # full disk stops saves while reads still hit.
+        self._store_down: set[str] = set()
 
         # Scheduler side.
         self._scheduler_context: Any = None
@@ -245,7 +258,7 @@ class StoreConnector(KVConnectorBase_V1):
         self._layers: list[tuple[torch.Tensor, int, int]] = []  # tensor, dim, per
         self._rank = 0
         self._load_errors: set[int] = set()
-        self._worker_loads: list[LoadSpec] = []
+        self._worker_loads: list[WorkerLoad] = []
         self._saved = SavedBlocks()
         logger.info(
             "StoreConnector (%s) on %s backend, identity %s; stack hooks: "
@@ -271,18 +284,23 @@ class StoreConnector(KVConnectorBase_V1):
             self._warned.add(what)
             logger.warning(message, *args)
 
-    def _unavailable(self, e: BackendUnavailable) -> None:
+    def _unavailable(self, e: BackendUnavailable, what: str = "read") -> None:
+        """Count a failed store operation; warn once until it works again."""
         self._stats.inc("store_errors")
-        if not self._store_down:
-            self._store_down = True
+        if what not in self._store_down:
+            self._store_down.add(what)
+            consequence = "skipping saves" if what == "write" else "running on misses"
             logger.warning(
-                "StoreConnector: store unreachable, running on misses: %s", e
+                "StoreConnector: store %s failed, %s until it works again: %s",
+                what,
+                consequence,
+                e,
             )
 
-    def _available(self) -> None:
-        if self._store_down:
-            self._store_down = False
-            logger.info("StoreConnector: store reachable again")
+    def _available(self, what: str = "read") -> None:
+        if what in self._store_down:
+            self._store_down.discard(what)
+            logger.info("StoreConnector: store %s works again", what)
 
     def _bad_chunk(self, key: str, error: ChunkError) -> None:
         self._stats.inc("corrupt_chunks")
@@ -663,15 +681,48 @@ class StoreConnector(KVConnectorBase_V1):
             except BackendUnavailable as e:
                 self._unavailable(e)
                 continue
-            if n == 0:
+            # A hit reported here cannot be taken back (a failed load fails
+            # the request under vLLM's default kv_load_failure_policy), so
+            # the chunks are read and checked now; the hit ends at the first
+            # one that is missing or damaged.
+            payloads = self._read_chunks(keys[:n])
+            if len(payloads) < n:
+                self._release(lease_id, keys[len(payloads) : n], count=False)
+            if not payloads:
                 continue
+            n = len(payloads)
             self._worker_loads.append(
-                LoadSpec(
-                    probe.req_id, lease_id, probe.block_ids[:n], [[k] for k in keys[:n]]
-                )
+                WorkerLoad(lease_id, probe.block_ids[:n], keys[:n], payloads)
             )
             hits[probe.req_id] = n * self._block_size
         return hits
+
+    def _read_chunks(self, keys: Sequence[str]) -> list[memoryview]:
+        """The payloads of the leading ``keys`` that are stored and whole.
+
+        Like ``_verified_prefix``, reads on past a damaged chunk: each one
+        found is deleted now, so this request's save writes it again.
+        """
+        payloads: list[memoryview] = []
+        damaged = False
+        for key in keys:
+            try:
+                data = self._backend.get(key)
+            except BackendUnavailable as e:
+                self._unavailable(e)
+                break
+            if data is None:
+                break
+            try:
+                payload = decode_chunk(data, self._identity, key)
+            except ChunkError as e:
+                self._bad_chunk(key, e)
+                damaged = True
+                continue
+            if not damaged:
+                payloads.append(payload)
+                self._stats.inc("loaded_bytes", len(data))
+        return payloads
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -685,21 +736,22 @@ class StoreConnector(KVConnectorBase_V1):
             if spec.lease_id is not None:
                 self._release(spec.lease_id, keys, count=self._rank == 0)
         worker_loads, self._worker_loads = self._worker_loads, []
-        for spec in worker_loads:
-            keys = [k[0] for k in spec.keys]
+        for load in worker_loads:
             loaded = 0
-            for block_id, key in zip(spec.block_ids, keys, strict=False):
-                # A failure here only costs a recompute if the runner applied
-                # fewer hits; report it like any load error.
-                if self._load_block(block_id, key):
+            for block_id, key, payload in zip(
+                load.block_ids, load.keys, load.payloads, strict=True
+            ):
+                if self._inject(block_id, payload):
                     loaded += 1
                 else:
+                    self._bad_chunk(
+                        key, ChunkError("payload size does not fit this layout")
+                    )
                     self._load_errors.add(block_id)
                     self._stats.inc("load_errors")
             if self._rank == 0:
                 self._stats.inc("worker_hit_tokens", loaded * self._block_size)
-            assert spec.lease_id is not None
-            self._release(spec.lease_id, keys, count=False)
+            self._release(load.lease_id, load.keys, count=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -722,14 +774,15 @@ class StoreConnector(KVConnectorBase_V1):
                     self._saved.failed.add(save.block_id)
 
     def _save_block(self, save: SaveSpec) -> bool:
-        """Write one block; False if the store is unreachable."""
+        """Write one block; False if the store failed (unreachable, full,
+        an I/O error): the save is skipped, the server goes on."""
         key = save.keys[self._rank]
         data = encode_chunk(self._identity, key, self._extract(save.block_id))
         try:
             evicted = self._backend.put(key, data)
-            self._available()
+            self._available("write")
         except BackendUnavailable as e:
-            self._unavailable(e)
+            self._unavailable(e, "write")
             return False
         self._stats.inc("stored_bytes", len(data))
         self._stats.inc("stored_chunks")

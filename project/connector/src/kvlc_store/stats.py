@@ -35,7 +35,7 @@ COUNTERS: dict[str, str] = {
     "evictions": "Chunks evicted to stay under the store's cap.",
     "corrupt_chunks": "Chunks found corrupt, truncated or foreign (a miss).",
     "load_errors": "Blocks promised to the scheduler that could not be loaded.",
-    "store_errors": "Store operations that failed (store unreachable).",
+    "store_errors": "Store operations that failed (unreachable, full, I/O error).",
     "leases_taken": "Leases taken on offered chunks.",
     "leases_released": "Leases released (loaded or aborted).",
 }

@@ -1,0 +1,133 @@
+"""The directory store when its file system fails: every error a miss or a
+skipped save (``BackendUnavailable``), counted, logged once, and the store
+back by itself once the file system is.
+
+Faults are simulated (monkeypatched ``os`` calls) where a real one needs
+root or a full disk; a deleted directory is real.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvlc_store import backends
+from kvlc_store.backends import BackendUnavailable, DirectoryBackend, new_lease_id
+
+KEY = f"ident0/{1:064x}.0"
+DATA = b"x" * 1000
+
+
+class Failing:
+    """``real``, except that it raises ``OSError(err)`` while ``armed``."""
+
+    def __init__(self, err: int, real: Any) -> None:
+        self.err = err
+        self.real = real
+        self.armed = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.armed:
+            raise OSError(self.err, os.strerror(self.err))
+        return self.real(*args, **kwargs)
+
+
+def test_deleted_directory_is_a_miss_then_recreated(tmp_path: Path):
+    root = tmp_path / "store"
+    store = DirectoryBackend(root, 10**6)
+    store.put(KEY, DATA)
+    shutil.rmtree(root)
+    # The lookup that killed the server (FileNotFoundError on .lock).
+    assert store.lease([KEY], new_lease_id(), 60) == 0
+    assert store.get(KEY) is None
+    assert store.put(KEY, DATA) == 0
+    assert store.get(KEY) == DATA
+    assert store.num_bytes() == len(DATA)
+
+
+def test_directory_that_cannot_be_recreated_is_unavailable(tmp_path: Path):
+    root = tmp_path / "parent" / "store"
+    store = DirectoryBackend(root, 10**6)
+    shutil.rmtree(root.parent)
+    root.parent.write_text("now a file")  # NotADirectoryError below it
+    for op in (
+        lambda: store.lease([KEY], new_lease_id(), 60),
+        lambda: store.put(KEY, DATA),
+        lambda: store.release([KEY], "lease"),
+        lambda: store.delete(KEY),
+    ):
+        with pytest.raises(BackendUnavailable, match="store directory"):
+            op()
+    root.parent.unlink()
+    assert store.put(KEY, DATA) == 0  # back by itself
+    assert store.get(KEY) == DATA
+
+
+def test_full_disk_skips_the_save_and_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    store = DirectoryBackend(tmp_path, 10**6)
+    write = Failing(errno.ENOSPC, os.write)
+    monkeypatch.setattr(backends.os, "write", write)
+    with pytest.raises(BackendUnavailable, match="No space left on device"):
+        store.put(KEY, DATA)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert store.get(KEY) is None
+    write.armed = False  # space again
+    store.put(KEY, DATA)
+    assert store.get(KEY) == DATA
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES])
+def test_read_errors_are_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+):
+    store = DirectoryBackend(tmp_path, 10**6)
+    store.put(KEY, DATA)
+    read = Failing(err, Path.read_bytes)
+    monkeypatch.setattr(Path, "read_bytes", lambda path: read(path))
+    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
+        store.get(KEY)
+    read.armed = False
+    assert store.get(KEY) == DATA
+
+
+def test_lock_errors_are_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    store = DirectoryBackend(tmp_path, 10**6)
+    store.put(KEY, DATA)
+    flock = Failing(errno.EIO, backends.fcntl.flock)
+    monkeypatch.setattr(backends.fcntl, "flock", flock)
+    with pytest.raises(BackendUnavailable, match="Input/output error"):
+        store.lease([KEY], new_lease_id(), 60)
+    flock.armed = False
+    assert store.lease([KEY], new_lease_id(), 60) == 1
+
+
+def test_store_errors_are_counted_and_logged_once(monkeypatch: pytest.MonkeyPatch):
+    from kvlc_store import connector
+    from kvlc_store.stats import StoreConnectorStats
+
+    warnings: list[str] = []
+    infos: list[str] = []
+    monkeypatch.setattr(
+        connector.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+    )
+    monkeypatch.setattr(connector.logger, "info", lambda msg, *a: infos.append(msg % a))
+    conn = connector.StoreConnector.__new__(connector.StoreConnector)
+    conn._stats = StoreConnectorStats()
+    conn._store_down = set()
+    full = BackendUnavailable("No space left on device")
+    for _ in range(3):
+        conn._unavailable(full, "write")
+    conn._available("read")  # reads work: the write failure stands
+    conn._unavailable(BackendUnavailable("Input/output error"), "read")
+    assert len(warnings) == 2
+    assert "skipping saves" in warnings[0] and "running on misses" in warnings[1]
+    assert conn._stats.data["store_errors"] == 4
+    conn._available("write")
+    conn._unavailable(full, "write")  # failing again after a recovery: warn again
+    assert len(infos) == 1 and len(warnings) == 3
