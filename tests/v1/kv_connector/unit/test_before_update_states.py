@@ -10,8 +10,8 @@ import datetime
 import multiprocessing
 import time
 from collections.abc import Sequence
-from types import SimpleNamespace
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,14 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole, extern
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
+from vllm.pooling_params import PoolingParams
+from vllm.sampling_params import SamplingParams
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
     SchedulerOutput,
 )
-from vllm.pooling_params import PoolingParams
-from vllm.sampling_params import SamplingParams
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -310,7 +310,10 @@ _PARAMS = {
     "greedy": (SamplingParams(), None),
     "prompt_logprobs": (SamplingParams(prompt_logprobs=1), None),
     # PoolingParams.verify() sets it for pooling over every token.
-    "token_embed": (None, PoolingParams(task="token_embed", skip_reading_prefix_cache=True)),
+    "token_embed": (
+        None,
+        PoolingParams(task="token_embed", skip_reading_prefix_cache=True),
+    ),
     "embed": (None, PoolingParams(task="embed", skip_reading_prefix_cache=False)),
 }
 

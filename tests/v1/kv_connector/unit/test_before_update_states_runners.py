@@ -21,6 +21,7 @@ from tests.v1.kv_connector.unit.test_before_update_states import (
     _single_rank,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.gpu import buffer_utils
 from vllm.v1.worker.gpu import kv_connector as v2_kv_connector
 from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
@@ -97,6 +98,8 @@ def _cpu_apply_write(self: StagedWriteTensor) -> None:
 
 @pytest.fixture
 def req_states(monkeypatch: pytest.MonkeyPatch) -> RequestState:
+    # Plain CPU tensors: no pinned memory without an accelerator.
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)
     monkeypatch.setattr(StagedWriteTensor, "apply_write", _cpu_apply_write)
     return RequestState(
         max_num_reqs=4,
@@ -123,8 +126,11 @@ def test_v2_hit_on_running_request_reaches_gpu_num_computed_tokens(
     must move with the CPU mirror."""
     _single_rank(monkeypatch)
     req_states.add_request(
-        req_id="c", prompt_len=100, all_token_ids=list(range(100)),
-        num_computed_tokens=0, max_tokens=16,
+        req_id="c",
+        prompt_len=100,
+        all_token_ids=list(range(100)),
+        num_computed_tokens=0,
+        max_tokens=16,
     )
     req_states.apply_staged_writes()
     idx = req_states.req_id_to_index["c"]
@@ -155,8 +161,11 @@ def test_v2_new_request_hit_reaches_gpu_num_computed_tokens(
     so.kv_connector_metadata = SimpleNamespace()
     new_req = kv.before_update_states(so, req_states).scheduled_new_reqs[0]
     req_states.add_request(
-        req_id="a", prompt_len=100, all_token_ids=list(range(100)),
-        num_computed_tokens=new_req.num_computed_tokens, max_tokens=16,
+        req_id="a",
+        prompt_len=100,
+        all_token_ids=list(range(100)),
+        num_computed_tokens=new_req.num_computed_tokens,
+        max_tokens=16,
     )
     req_states.apply_staged_writes()
     idx = req_states.req_id_to_index["a"]

@@ -153,9 +153,7 @@ class WorkerExternalHits:
         return limits
 
     def _track_requests(self, scheduler_output: SchedulerOutput) -> None:
-        self._skip_reading_req_ids.difference_update(
-            scheduler_output.finished_req_ids
-        )
+        self._skip_reading_req_ids.difference_update(scheduler_output.finished_req_ids)
         for new_req in scheduler_output.scheduled_new_reqs:
             # The same rule as Request.skip_reading_prefix_cache, which makes
             # the scheduler skip local and connector prefix-cache hits.
