@@ -280,10 +280,13 @@ def test_hook_and_collective_skipped_without_eligible_requests(
     monkeypatch.setattr(external_hits, "all_reduce_min", fake_all_reduce_min)
     monkeypatch.setattr(external_hits.dist, "get_rank", lambda: 1)
     worker = _worker({})
-    hook_calls = []
-    monkeypatch.setattr(
-        worker.connector, "before_update_states", lambda so: hook_calls.append(so) or {}
-    )
+    hook_calls: list[SchedulerOutput] = []
+
+    def before_update_states(so: SchedulerOutput) -> dict[str, int]:
+        hook_calls.append(so)
+        return {}
+
+    monkeypatch.setattr(worker.connector, "before_update_states", before_update_states)
 
     # A rank without hits still joins while a request is eligible; the last
     # value says that no rank failed.

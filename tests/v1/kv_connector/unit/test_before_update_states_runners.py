@@ -42,11 +42,12 @@ def test_v1_runner_applies_hits_before_update_states(
     connector = _make_connector("HitsConnector", hits={"a": 40})
     calls: list[str] = []
     connector.handle_preemptions = lambda meta: calls.append("handle_preemptions")
-    monkeypatch.setattr(
-        HitsConnector,
-        "before_update_states",
-        lambda self, so: calls.append("before_update_states") or {"a": 40},
-    )
+
+    def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
+        calls.append("before_update_states")
+        return {"a": 40}
+
+    monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
     module = "vllm.v1.worker.gpu_model_runner"
     monkeypatch.setattr(f"{module}.has_kv_transfer_group", lambda: True)
     monkeypatch.setattr(f"{module}.get_kv_transfer_group", lambda: connector)
@@ -180,11 +181,12 @@ def test_v2_hook_order_matches_v1(monkeypatch: pytest.MonkeyPatch, req_states):
     calls: list[str] = []
     connector.handle_preemptions = lambda meta: calls.append("handle_preemptions")
     connector.bind_connector_metadata = lambda meta: calls.append("bind")
-    monkeypatch.setattr(
-        HitsConnector,
-        "before_update_states",
-        lambda self, so: calls.append("before_update_states") or {},
-    )
+
+    def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
+        calls.append("before_update_states")
+        return {}
+
+    monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
     kv = _active_kv_connector(monkeypatch, connector)
     so = _scheduler_output(new=[("a", 100, 0, 100)])
     so.kv_connector_metadata = SimpleNamespace()
