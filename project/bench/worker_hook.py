@@ -6,8 +6,9 @@ Prints one JSON object with:
   (which does not override the hook), counting scheduler steps, hook calls,
   hit applications and ``torch.distributed.all_reduce`` calls in the engine
   process (in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-* ``apply``: seconds per ``SchedulerOutput.apply_external_hits`` call (a hit
-  for every request) on a real first-step scheduler output with n newly
+* ``apply``: seconds per application of a hit for every request (the
+  worker's eligibility limits, then ``apply_external_hits``; the hook and the
+  rank agreement left out) on a real first-step scheduler output with n newly
   scheduled prefills, beside the seconds of that ``schedule()`` call.
 """
 
@@ -42,8 +43,8 @@ def engine_counts(model_dir: str, prompts: int) -> dict[str, int]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch.distributed as dist
+    from vllm.distributed.kv_transfer.kv_connector.v1 import external_hits
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm import LLM, SamplingParams
@@ -51,8 +52,8 @@ def engine_counts(model_dir: str, prompts: int) -> dict[str, int]:
     counts: Counter[str] = Counter()
     patches = [
         (KVConnectorBase_V1, "before_update_states"),
-        (SchedulerOutput, "apply_external_hits"),
-        (SchedulerOutput, "external_hit_limits"),
+        (external_hits, "apply_external_hits"),
+        (external_hits.WorkerExternalHits, "limits"),
         (Scheduler, "schedule"),
         (dist, "all_reduce"),
     ]
@@ -77,13 +78,20 @@ def engine_counts(model_dir: str, prompts: int) -> dict[str, int]:
         "steps": counts["schedule"],
         "before_update_states_calls": counts["before_update_states"],
         "apply_external_hits_calls": counts["apply_external_hits"],
-        "external_hit_limits_calls": counts["external_hit_limits"],
+        "external_hit_limits_calls": counts["limits"],
         "all_reduce_calls": counts["all_reduce"],
     }
 
 
 def apply_cost(model_dir: str, n: int, reps: int) -> dict[str, float]:
+    from types import SimpleNamespace
+
     from scheduler_step import PROMPT_LEN, Workload, make_scheduler
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.external_hits import (
+        WorkerExternalHits,
+        apply_external_hits,
+    )
 
     scheduler = make_scheduler(
         model_dir, n, None, max_num_seqs=n, max_num_batched_tokens=n * PROMPT_LEN
@@ -95,11 +103,17 @@ def apply_cost(model_dir: str, n: int, reps: int) -> dict[str, float]:
     so = scheduler.schedule()
     schedule_s = time.perf_counter() - t0
     assert len(so.scheduled_new_reqs) == n, len(so.scheduled_new_reqs)
-    hits = {req_id: 32 for req_id in so.num_scheduled_tokens}
+    # A connector stand-in: the worker only reads its KV cache config.
+    connector: Any = SimpleNamespace(
+        _kv_cache_config=SimpleNamespace(has_mamba_layers=False)
+    )
+    worker = WorkerExternalHits(connector)
     seconds = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        applied = so.apply_external_hits(hits)
+        limits = worker.limits(so)
+        hits = {req_id: min(32, limit) for req_id, limit in limits.items()}
+        applied = apply_external_hits(so, hits, "bench")
         seconds.append(time.perf_counter() - t0)
     assert applied.total_num_scheduled_tokens == so.total_num_scheduled_tokens - 32 * n
     return {"apply_s": statistics.median(seconds), "schedule_s": schedule_s}

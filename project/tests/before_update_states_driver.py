@@ -2,7 +2,8 @@
 
 Usage: python before_update_states_driver.py MODEL_DIR CONFIG_JSON
 CONFIG_JSON: {"mode": null|"capture"|"load"|"garbage", "path": DIR,
-"hit_tokens": [per TP rank], "tp": 1|2}. Prints one line starting with
+"hit_tokens": [per TP rank], "tp": 1|2, "hit_on": "first"|"continuation",
+"max_num_batched_tokens": N (chunked prefill below the prompt length)}. Prints one line starting with
 ``RESULT `` holding, per prompt, the greedy token ids, their logprobs and
 ``num_cached_tokens``.
 """
@@ -44,6 +45,9 @@ def main() -> None:
         block_size=128,
         enable_prefix_caching=False,
         tensor_parallel_size=config.get("tp", 1),
+        max_num_batched_tokens=config.get("max_num_batched_tokens"),
+        # A step may not schedule fewer tokens than sequences.
+        max_num_seqs=8 if "max_num_batched_tokens" in config else None,
         kv_transfer_config=kv_transfer_config,
         seed=0,
         # On CPU this is the share of host memory the engine may reserve;

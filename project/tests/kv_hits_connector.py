@@ -9,6 +9,10 @@ Its worker side keeps KV blocks on disk, keyed by the prompt and the TP rank:
   back in ``start_load_kv``, before the forward;
 * ``garbage``: the same report, but write random values instead.
 
+With ``"hit_on": "continuation"`` (chunked prefill), ``load`` reports the hit
+in the request's second chunk instead of its first, and writes back the saved
+blocks from that chunk on.
+
 Every rank appends the number of tokens each forward step computed to
 ``<path>/steps-rank<r>.jsonl`` (measured from the step's slot mapping).
 The scheduler side matches nothing: every hit comes from the worker hook.
@@ -55,11 +59,16 @@ class RecordedKVConnector(KVConnectorBase_V1):
         self.mode: str = extra["mode"]
         self.path = Path(extra["path"])
         self.hit_tokens: list[int] = extra.get("hit_tokens", [0])
+        self.hit_on: str = extra.get("hit_on", "first")
+        self.block_size = vllm_config.cache_config.block_size
+        # Saved prompts of running requests waiting for their second chunk.
+        self.continuations: dict[str, tuple[Path, list[int]]] = {}
         self.num_blocks = kv_cache_config.num_blocks
         self.kv_caches: dict[str, torch.Tensor] = {}
         # Blocks to save after this step's forward, or to write before it.
         self.to_save: list[tuple[Path, list[int]]] = []
-        self.to_load: list[tuple[Path, list[int]]] = []
+        # (file, block ids of the request, index of the first block to write)
+        self.to_load: list[tuple[Path, list[int], int]] = []
 
     # Worker side.
 
@@ -78,9 +87,25 @@ class RecordedKVConnector(KVConnectorBase_V1):
             file = self._file(req.prompt_token_ids)
             if self.mode == "capture":
                 self.to_save.append((file, req.block_ids[0]))
-            elif file.exists():
-                self.to_load.append((file, req.block_ids[0]))
+            elif not file.exists():
+                continue
+            elif self.hit_on == "continuation":
+                self.continuations[req.req_id] = (file, list(req.block_ids[0]))
+            else:
+                self.to_load.append((file, req.block_ids[0], 0))
                 hits[req.req_id] = self.hit_tokens[rank % len(self.hit_tokens)]
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, num_computed, new_block_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
+        ):
+            if req_id not in self.continuations:
+                continue
+            file, block_ids = self.continuations.pop(req_id)
+            if new_block_ids is not None:
+                block_ids += new_block_ids[0]
+            assert num_computed % self.block_size == 0, num_computed
+            self.to_load.append((file, block_ids, num_computed // self.block_size))
+            hits[req_id] = self.hit_tokens[rank % len(self.hit_tokens)]
         return hits
 
     def _block_dim(self, kv: torch.Tensor) -> int:
@@ -93,12 +118,12 @@ class RecordedKVConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
             with open(self.path / f"steps-rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps({"num_tokens": num_tokens}) + "\n")
-        for file, block_ids in self.to_load:
+        for file, block_ids, first in self.to_load:
             saved = torch.load(file)
             for name, kv in self.kv_caches.items():
                 dim = self._block_dim(kv)
-                index = torch.tensor(block_ids[: saved[name].shape[dim]])
-                blocks = saved[name].narrow(dim, 0, len(index))
+                index = torch.tensor(block_ids[first : saved[name].shape[dim]])
+                blocks = saved[name].narrow(dim, first, len(index))
                 if self.mode == "garbage":
                     blocks = torch.randn_like(blocks) * 10
                 kv.index_copy_(dim, index, blocks.to(kv.dtype))

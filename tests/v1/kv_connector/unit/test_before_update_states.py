@@ -1,16 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tests for KVConnectorBase_V1.before_update_states() and the external hits
-it reports: SchedulerOutput.apply_external_hits(), the rank agreement, the
-MultiConnector forwarding and the report back to the scheduler."""
+it reports: WorkerExternalHits (eligibility, clamping, copy, rank agreement
+and failures), the MultiConnector forwarding, the report back to the
+scheduler, the failed-load path, and the Model Runner V2 state update."""
 
 import copy
+import datetime
 import multiprocessing
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.v1.kv_connector.unit.utils import (
@@ -26,13 +31,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole, extern
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
+from vllm.pooling_params import PoolingParams
+from vllm.sampling_params import SamplingParams
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
     SchedulerOutput,
 )
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 
 MODULE = "tests.v1.kv_connector.unit.test_before_update_states"
@@ -112,6 +119,30 @@ def _scheduler_output(
     )
 
 
+def _single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    one_rank = SimpleNamespace(world_size=1, cpu_group=None)
+    monkeypatch.setattr(external_hits, "get_tp_group", lambda: one_rank)
+    monkeypatch.setattr(external_hits, "get_pcp_group", lambda: one_rank)
+
+
+def _worker(hits: Any = None, kv_cache_config: KVCacheConfig | None = None):
+    connector = _make_connector("HitsConnector", hits=hits if hits is not None else {})
+    if kv_cache_config is not None:
+        connector._kv_cache_config = kv_cache_config
+    return external_hits.WorkerExternalHits(connector)
+
+
+@pytest.fixture
+def apply(monkeypatch: pytest.MonkeyPatch):
+    """Apply hits to a scheduler output on one rank, through the worker path."""
+    _single_rank(monkeypatch)
+
+    def _apply(so: SchedulerOutput, hits: dict[str, int]) -> SchedulerOutput:
+        return _worker(hits).apply(so)
+
+    return _apply
+
+
 def test_default_hook_reports_nothing_and_is_not_called():
     connector = _make_connector("MockKVConnector")
     assert connector.before_update_states(_scheduler_output()) == {}
@@ -123,12 +154,12 @@ def test_overriding_hook_is_detected():
     assert connector.uses_before_update_states
 
 
-def test_apply_advances_computed_and_keeps_last_prompt_token():
+def test_apply_advances_computed_and_keeps_last_prompt_token(apply):
     so = _scheduler_output(
         new=[("a", 100, 0, 100), ("b", 100, 16, 84)],
         cached=[("c", 64, 0, 36)],
     )
-    new_so = so.apply_external_hits({"a": 40, "b": 1000, "c": 35})
+    new_so = apply(so, {"a": 40, "b": 1000, "c": 35})
     assert new_so.applied_external_hits == {"a": 40, "b": 83, "c": 35}
     assert [r.num_computed_tokens for r in new_so.scheduled_new_reqs] == [40, 99]
     assert new_so.scheduled_cached_reqs.num_computed_tokens == [99]
@@ -137,11 +168,11 @@ def test_apply_advances_computed_and_keeps_last_prompt_token():
     assert new_so.has_sync_kv_loads
 
 
-def test_apply_clamps_to_prompt_of_new_request_with_replayed_outputs():
+def test_apply_clamps_to_prompt_of_new_request_with_replayed_outputs(apply):
     # 10 prompt tokens, but 14 tokens (prompt and replayed outputs) scheduled.
     so = _scheduler_output(new=[("a", 10, 0, 14)])
-    assert so.external_hit_limits() == {"a": 9}
-    assert so.apply_external_hits({"a": 13}).num_scheduled_tokens == {"a": 5}
+    assert _worker().limits(so) == {"a": 9}
+    assert apply(so, {"a": 13}).num_scheduled_tokens == {"a": 5}
 
 
 @pytest.mark.parametrize(
@@ -159,19 +190,19 @@ def test_apply_clamps_to_prompt_of_new_request_with_replayed_outputs():
         _scheduler_output(new=[("b", 10, 0, 10)]),
     ],
 )
-def test_ineligible_requests_get_nothing(so: SchedulerOutput):
-    assert so.apply_external_hits({"a": 5}) is so
-    assert so.external_hit_limits().get("a", 0) == 0
+def test_ineligible_requests_get_nothing(so: SchedulerOutput, apply):
+    assert apply(so, {"a": 5}) is so
+    assert "a" not in _worker().limits(so)
 
 
-def test_apply_leaves_scheduler_output_untouched():
+def test_apply_leaves_scheduler_output_untouched(apply):
     so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("c", 64, 0, 36)])
     before = copy.deepcopy(so)
     new_req = so.scheduled_new_reqs[0]
     num_scheduled_tokens = so.num_scheduled_tokens
     cached_num_computed = so.scheduled_cached_reqs.num_computed_tokens
 
-    new_so = so.apply_external_hits({"a": 10, "c": 5})
+    new_so = apply(so, {"a": 10, "c": 5})
 
     assert new_so is not so
     assert new_so.num_scheduled_tokens is not num_scheduled_tokens
@@ -187,7 +218,7 @@ def test_apply_leaves_scheduler_output_untouched():
     assert not so.has_sync_kv_loads
 
 
-def test_apply_leaves_scheduler_requests_untouched():
+def test_apply_leaves_scheduler_requests_untouched(apply):
     vllm_config = create_vllm_config(
         kv_connector="MockKVConnector",
         kv_connector_module_path="tests.v1.kv_connector.unit.utils",
@@ -200,7 +231,7 @@ def test_apply_leaves_scheduler_requests_untouched():
     so = scheduler.schedule()
     assert request.num_computed_tokens == 40
 
-    new_so = so.apply_external_hits({request.request_id: 32})
+    new_so = apply(so, {request.request_id: 32})
 
     assert new_so.num_scheduled_tokens[request.request_id] == 8
     assert so.num_scheduled_tokens[request.request_id] == 40
@@ -216,39 +247,24 @@ def test_invalid_hits_raise_naming_connector_and_request(
     hits: Any, monkeypatch: pytest.MonkeyPatch
 ):
     _single_rank(monkeypatch)
-    connector = _make_connector("HitsConnector", hits={"b": 4, "c": 2})
-    connector._kv_transfer_config.kv_connector_extra_config["hits"] = (
-        {
-            "b": 4,
-            **hits,
-        }
-        if isinstance(hits, dict)
-        else hits
-    )
+    worker = _worker({"b": 4, **hits} if isinstance(hits, dict) else hits)
     so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 10, 0, 10)])
     before = copy.deepcopy(so)
-    with pytest.raises(ValueError, match=r"HitsConnector\.before_update_states") as e:
-        external_hits.apply_before_update_states(connector, so)
+    with pytest.raises(RuntimeError, match=r"HitsConnector\.before_update_states") as e:
+        worker.apply(so)
+    assert isinstance(e.value.__cause__, ValueError)
     if isinstance(hits, dict):
-        assert repr(next(iter(hits))) in str(e.value)
+        assert repr(next(iter(hits))) in str(e.value.__cause__)
     assert repr(so) == repr(before)
 
 
-def _single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    one_rank = SimpleNamespace(world_size=1, cpu_group=None)
-    monkeypatch.setattr(external_hits, "get_tp_group", lambda: one_rank)
-    monkeypatch.setattr(external_hits, "get_pcp_group", lambda: one_rank)
-
-
-def test_apply_before_update_states_single_rank(monkeypatch: pytest.MonkeyPatch):
+def test_apply_single_rank_ignores_unknown_requests(monkeypatch: pytest.MonkeyPatch):
     _single_rank(monkeypatch)
-    connector = _make_connector("HitsConnector", hits={"a": 5, "zzz": 3})
     so = _scheduler_output(new=[("a", 10, 0, 10)])
-    new_so = external_hits.apply_before_update_states(connector, so)
-    assert new_so.applied_external_hits == {"a": 5}
+    assert _worker({"a": 5, "zzz": 3}).apply(so).applied_external_hits == {"a": 5}
 
 
-def test_collective_skipped_only_without_eligible_requests(
+def test_hook_and_collective_skipped_without_eligible_requests(
     monkeypatch: pytest.MonkeyPatch,
 ):
     calls: list[list[int]] = []
@@ -262,52 +278,169 @@ def test_collective_skipped_only_without_eligible_requests(
     monkeypatch.setattr(external_hits, "get_tp_group", lambda: two_ranks)
     monkeypatch.setattr(external_hits, "get_pcp_group", lambda: one_rank)
     monkeypatch.setattr(external_hits, "all_reduce_min", fake_all_reduce_min)
-    connector = _make_connector("HitsConnector", hits={})
+    monkeypatch.setattr(external_hits.dist, "get_rank", lambda: 1)
+    worker = _worker({})
+    hook_calls: list[SchedulerOutput] = []
 
-    # A rank without hits still joins while a request is eligible.
-    external_hits.apply_before_update_states(
-        connector, _scheduler_output(new=[("a", 10, 0, 10), ("b", 10, 0, 10)])
+    def before_update_states(so: SchedulerOutput) -> dict[str, int]:
+        hook_calls.append(so)
+        return {}
+
+    monkeypatch.setattr(worker.connector, "before_update_states", before_update_states)
+
+    # A rank without hits still joins while a request is eligible; the last
+    # value says that no rank failed.
+    worker.apply(_scheduler_output(new=[("a", 10, 0, 10), ("b", 10, 0, 10)]))
+    assert calls == [[0, 0, external_hits._NO_FAILURE]]
+    assert len(hook_calls) == 1
+    # Decode only: every rank skips the hook and the collective alike.
+    worker.apply(_scheduler_output(cached=[("a", 10, 1, 1)]))
+    assert len(calls) == 1
+    assert len(hook_calls) == 1
+
+
+def _new_req_with_params(
+    req_id: str, sampling_params: Any = None, pooling_params: Any = None
+) -> NewRequestData:
+    return replace(
+        _new_req(req_id, 100, 0),
+        sampling_params=sampling_params,
+        pooling_params=pooling_params,
     )
-    assert calls == [[0, 0]]
-    # Decode only: every rank skips alike.
-    external_hits.apply_before_update_states(
-        connector, _scheduler_output(cached=[("a", 10, 1, 1)])
+
+
+_PARAMS = {
+    "greedy": (SamplingParams(), None),
+    "prompt_logprobs": (SamplingParams(prompt_logprobs=1), None),
+    # PoolingParams.verify() sets it for pooling over every token.
+    "token_embed": (
+        None,
+        PoolingParams(task="token_embed", skip_reading_prefix_cache=True),
+    ),
+    "embed": (None, PoolingParams(task="embed", skip_reading_prefix_cache=False)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_PARAMS))
+def test_requests_that_skip_reading_prefix_cache_get_no_hit(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A request gets a hit exactly when the scheduler would allow it a
+    prefix-cache hit, in its first chunk and in its continuation chunks."""
+    _single_rank(monkeypatch)
+    sampling_params, pooling_params = _PARAMS[kind]
+    request = create_request(num_tokens=100)
+    request.sampling_params = sampling_params
+    request.pooling_params = pooling_params
+    must_compute = request.get_skip_reading_prefix_cache()
+    assert must_compute == (kind in ("prompt_logprobs", "token_embed"))
+
+    worker = _worker({"a": 1000})
+    first = _scheduler_output(new=[("a", 100, 0, 64)])
+    first.scheduled_new_reqs[0] = _new_req_with_params(
+        "a", sampling_params, pooling_params
     )
-    assert calls == [[0, 0]]
+    continuation = _scheduler_output(cached=[("a", 64, 0, 36)])
+    applied = [worker.apply(so).applied_external_hits for so in (first, continuation)]
+    assert applied == ([None, None] if must_compute else [{"a": 63}, {"a": 35}])
 
 
-def _min_worker(rank: int, port: int, results: Any) -> None:
+def test_finished_requests_are_forgotten():
+    worker = _worker()
+    first = _scheduler_output(new=[("a", 100, 0, 64)])
+    first.scheduled_new_reqs[0] = _new_req_with_params(
+        "a", SamplingParams(prompt_logprobs=1)
+    )
+    worker._track_requests(first)
+    assert worker._skip_reading_req_ids == {"a"}
+    finished = _scheduler_output()
+    finished.finished_req_ids = {"a"}
+    worker._track_requests(finished)
+    assert worker._skip_reading_req_ids == set()
+
+
+def test_hybrid_models_get_no_hit():
+    mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
+    kv_cache_config = KVCacheConfig(
+        num_blocks=0,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["mamba"], mamba)],
+    )
+    worker = _worker({"a": 5}, kv_cache_config)
+    so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("c", 64, 0, 36)])
+    assert worker.limits(so) == {}
+    assert worker.apply(so) is so
+
+
+def _min_worker(rank: int, port: int, results: Any, mode: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
         external_hits.get_tp_group = lambda: group
         external_hits.get_pcp_group = lambda: SimpleNamespace(world_size=1)
         # Rank 0 has hits for both requests, rank 1 only a smaller one for b.
-        hits = {"a": 9, "b": 50} if rank == 0 else {"b": 20}
-        connector = SimpleNamespace(before_update_states=lambda so: hits)
+        hits: Any = {"a": 9, "b": 50} if rank == 0 else {"b": 20}
+        if rank == 1 and mode == "raises":
+            hits = RuntimeError("cache unreachable")
+        elif rank == 1 and mode == "bad_value":
+            hits = {"b": -1}
+        connector = _make_connector("HitsConnector", hits={})
+
+        def before_update_states(so: SchedulerOutput) -> Any:
+            if isinstance(hits, Exception):
+                raise hits
+            return hits
+
+        connector.before_update_states = before_update_states
         so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 100, 0, 64)])
-        new_so = external_hits.apply_before_update_states(connector, so)
-        results.put((rank, new_so.applied_external_hits))
+        try:
+            new_so = external_hits.WorkerExternalHits(connector).apply(so)
+            results.put((rank, new_so.applied_external_hits))
+        except RuntimeError as e:
+            results.put((rank, str(e)))
     finally:
         dist.destroy_process_group()
 
 
-def test_ranks_apply_the_minimum():
+def _run_two_ranks(mode: str) -> dict[int, Any]:
+    """Run _min_worker on two gloo ranks; a rank still running after the
+    timeout fails the test instead of hanging it."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = get_open_port()
-    procs = [ctx.Process(target=_min_worker, args=(r, port, results)) for r in (0, 1)]
+    procs = [
+        ctx.Process(target=_min_worker, args=(r, port, results, mode)) for r in (0, 1)
+    ]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + 120
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=max(deadline - time.monotonic(), 0))
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still waiting after 120 s"
     assert [p.exitcode for p in procs] == [0, 0]
-    assert dict(results.get(timeout=5) for _ in procs) == {
-        0: {"b": 20},
-        1: {"b": 20},
-    }
+    return dict(results.get(timeout=5) for _ in procs)
+
+
+def test_ranks_apply_the_minimum():
+    assert _run_two_ranks("ok") == {0: {"b": 20}, 1: {"b": 20}}
+
+
+@pytest.mark.parametrize("mode", ["raises", "bad_value"])
+def test_failing_rank_fails_the_step_on_every_rank(mode: str):
+    results = _run_two_ranks(mode)
+    message = "HitsConnector.before_update_states() failed on rank 1"
+    assert message in results[0]
+    assert results[0] == results[1]
 
 
 def _multi_connector(children: list[dict[str, Any]]) -> MultiConnector:
@@ -422,3 +555,35 @@ def test_applied_hits_reach_request_stats(async_scheduling: bool):
         if eo.scheduler_stats and eo.scheduler_stats.connector_prefix_cache_stats
     ]
     assert sum(stats.hits for stats in connector_stats) == 60
+
+
+def test_failed_load_of_applied_hit_is_recomputed():
+    """A block skipped by a worker-side hit that then fails to load is reported
+    through invalid_block_ids, like a scheduler-side hit: the scheduler
+    recomputes the request from that block and samples nothing this step."""
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config(),
+        max_num_batched_tokens=128,
+        kv_load_failure_policy="recompute",
+    )
+    scheduler = create_scheduler(vllm_config)
+    request = create_request(num_tokens=100)
+    scheduler.add_request(request)
+    req_id = request.request_id
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens[req_id] == 100
+    (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+
+    # The worker skipped 64 tokens (blocks 0-3); block 2 failed to load.
+    output = create_model_runner_output(reqs=[request])
+    output.kv_connector_output = KVConnectorOutput(
+        applied_external_hits={req_id: 64}, invalid_block_ids={block_ids[2]}
+    )
+    scheduler.update_from_output(so, output)
+
+    assert request.num_computed_tokens == 2 * 16
+    assert request.num_output_tokens == 0
+    assert scheduler.schedule().num_scheduled_tokens[req_id] == 100 - 2 * 16

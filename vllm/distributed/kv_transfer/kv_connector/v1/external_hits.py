@@ -3,56 +3,266 @@
 """Tokens that a worker-side KV connector loads instead of computing them,
 reported by KVConnectorBase_V1.before_update_states().
 
-Workers: apply_before_update_states() asks the connector, makes the ranks
-agree and returns a new scheduler output. Scheduler:
-record_applied_external_hits() counts the applied hits in the request's
-prefill stats and the connector's prefix cache stats.
+Workers: WorkerExternalHits asks the connector, makes the ranks agree and
+returns a new scheduler output; both model runners own one per connector.
+Scheduler: record_applied_external_hits() counts the applied hits in the
+request's prefill stats and the connector's prefix cache stats, and
+num_tokens_computed_in_step() lets the failed-load path
+(invalid_block_ids) cover the blocks the hits skipped.
 """
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
-from vllm.v1.core.sched.output import SchedulerOutput, validate_external_hits
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import get_skip_reading_prefix_cache
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.metrics.stats import PrefixCacheStats
     from vllm.v1.request import Request
+    from vllm.v1.worker.gpu.states import RequestState
+
+logger = init_logger(__name__)
+
+# Sent instead of a rank id in the reduction when the hook succeeded; any
+# real rank id is smaller, so the minimum names the first failing rank.
+_NO_FAILURE = 2**62
 
 
-def apply_before_update_states(
-    connector: "KVConnectorBase_V1", scheduler_output: SchedulerOutput
-) -> SchedulerOutput:
-    """Return scheduler_output with the hits of connector.before_update_states()
-    applied, each the minimum over the ranks that share this step's batch.
+class WorkerExternalHits:
+    """Applies a connector's before_update_states() hits on one worker.
 
-    Every tensor- and prefill-context-parallel rank must call this for every
-    step: a rank without hits still joins the reduction. The reduction is
-    skipped only when no request may take a hit, which every rank decides
-    alike from the same scheduler output.
+    Each model runner creates one for a connector whose
+    uses_before_update_states is True and calls apply() on every step,
+    before it updates its request states. Which requests may take a hit is
+    decided from the facts the scheduler uses for local prefix-cache hits,
+    so a request that may not skip its prompt there cannot skip it here:
+
+    - requests that must compute their prompt (skip_reading_prefix_cache:
+      prompt logprobs, pooling over every token) get nothing;
+    - hybrid models with Mamba layers get nothing: the recurrent state after
+      the skipped tokens is not in any block a hit could point at;
+    - only prompt tokens of requests without speculative tokens may be
+      skipped, never the last scheduled one nor the last prompt token, so
+      every request keeps a token in the batch and samples from its full
+      prompt.
     """
-    source = f"{type(connector).__name__}.before_update_states()"
-    hits = connector.before_update_states(scheduler_output)
+
+    def __init__(self, connector: "KVConnectorBase_V1"):
+        self.connector = connector
+        self.source = f"{type(connector).__name__}.before_update_states()"
+        self.hybrid = connector._kv_cache_config.has_mamba_layers
+        if self.hybrid:
+            logger.warning_once(
+                "%s is not applied: the model has Mamba layers, whose state "
+                "cannot be loaded by token count.",
+                self.source,
+            )
+        # Requests seen in scheduled_new_reqs that must compute their prompt;
+        # cached requests do not carry their sampling or pooling params.
+        self._skip_reading_req_ids: set[str] = set()
+
+    def apply(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """Return scheduler_output with the connector's hits applied, each the
+        minimum over the ranks that share this step's batch.
+
+        Every tensor- and prefill-context-parallel rank must call this for
+        every step. When a request may take a hit, every rank joins one
+        all-reduce, whatever its connector did: a rank whose hook raised or
+        returned a bad value reports the failure there, and then every rank
+        raises the same RuntimeError, so none is left waiting in the
+        collective.
+
+        Raises:
+            RuntimeError: if the hook failed on any rank.
+
+        """
+        self._track_requests(scheduler_output)
+        limits = self.limits(scheduler_output)
+        if not limits:
+            # No request may take a hit; every rank decides this alike from
+            # the same scheduler output, so no rank waits for another.
+            return scheduler_output
+
+        error: Exception | None = None
+        local_hits = [0] * len(limits)
+        try:
+            hits = self.connector.before_update_states(scheduler_output)
+            validate_external_hits(hits, self.source)
+            local_hits = [
+                min(hits.get(req_id, 0), limit) for req_id, limit in limits.items()
+            ]
+        except Exception as e:
+            error = e
+        groups = [
+            g.cpu_group for g in (get_tp_group(), get_pcp_group()) if g.world_size > 1
+        ]
+        rank = dist.get_rank() if groups else 0
+        *agreed, failed_rank = all_reduce_min(
+            [*local_hits, rank if error is not None else _NO_FAILURE], groups
+        )
+        if failed_rank != _NO_FAILURE:
+            raise RuntimeError(
+                f"{self.source} failed on rank {failed_rank}; the step is "
+                "stopped on every rank. Fix the connector: the hook must "
+                "return a dict of request id to a non-negative int."
+            ) from error
+        return apply_external_hits(
+            scheduler_output, dict(zip(limits, agreed)), self.source
+        )
+
+    def limits(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Per request that may take a hit in this step (see the class
+        docstring), the most tokens its hit may skip, in scheduling order."""
+        if self.hybrid:
+            return {}
+        # Prompt tokens left to compute, per request that is in its prompt.
+        num_prompt_tokens_left: dict[str, int] = {}
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if new_req.num_computed_tokens < new_req.prompt_len:
+                num_prompt_tokens_left[new_req.req_id] = (
+                    new_req.prompt_len - new_req.num_computed_tokens
+                )
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        for req_id, num_output_tokens in zip(
+            cached_reqs.req_ids, cached_reqs.num_output_tokens
+        ):
+            # Without output tokens, every scheduled token is a prompt token.
+            if num_output_tokens == 0:
+                num_prompt_tokens_left[req_id] = (
+                    scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                )
+        limits: dict[str, int] = {}
+        for req_id, num_left in num_prompt_tokens_left.items():
+            if (
+                req_id in scheduler_output.scheduled_spec_decode_tokens
+                or req_id in self._skip_reading_req_ids
+            ):
+                continue
+            num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            limit = min(num_scheduled, num_left) - 1
+            if limit > 0:
+                limits[req_id] = limit
+        return limits
+
+    def _track_requests(self, scheduler_output: SchedulerOutput) -> None:
+        self._skip_reading_req_ids.difference_update(scheduler_output.finished_req_ids)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            # The same rule as Request.skip_reading_prefix_cache, which makes
+            # the scheduler skip local and connector prefix-cache hits.
+            if get_skip_reading_prefix_cache(
+                new_req.sampling_params, new_req.pooling_params
+            ):
+                self._skip_reading_req_ids.add(new_req.req_id)
+            else:
+                self._skip_reading_req_ids.discard(new_req.req_id)
+
+
+def apply_external_hits(
+    scheduler_output: SchedulerOutput, hits: Mapping[str, int], source: str
+) -> SchedulerOutput:
+    """Return a copy of scheduler_output in which the first ``hits[req_id]``
+    scheduled tokens of each request are already computed.
+
+    The caller has clamped hits to WorkerExternalHits.limits(). The scheduler
+    output and everything it references are left untouched: the scheduler
+    still owns them.
+    """
     validate_external_hits(hits, source)
-    limits = {
-        req_id: limit
-        for req_id, limit in scheduler_output.external_hit_limits().items()
-        if limit > 0
-    }
-    if not limits:
+    applied = {req_id: n for req_id, n in hits.items() if n > 0}
+    if not applied:
         return scheduler_output
-    groups = [
-        g.cpu_group for g in (get_tp_group(), get_pcp_group()) if g.world_size > 1
+
+    scheduled_new_reqs = [
+        replace(req, num_computed_tokens=req.num_computed_tokens + applied[req.req_id])
+        if req.req_id in applied
+        else req
+        for req in scheduler_output.scheduled_new_reqs
     ]
-    agreed = all_reduce_min(
-        [min(hits.get(req_id, 0), limit) for req_id, limit in limits.items()],
-        groups,
+    cached_reqs = scheduler_output.scheduled_cached_reqs
+    scheduled_cached_reqs = replace(
+        cached_reqs,
+        num_computed_tokens=[
+            num_computed_tokens + applied.get(req_id, 0)
+            for req_id, num_computed_tokens in zip(
+                cached_reqs.req_ids, cached_reqs.num_computed_tokens
+            )
+        ],
     )
-    return scheduler_output.apply_external_hits(dict(zip(limits, agreed)), source)
+    num_scheduled_tokens = dict(scheduler_output.num_scheduled_tokens)
+    for req_id, num_hit_tokens in applied.items():
+        num_scheduled_tokens[req_id] -= num_hit_tokens
+    return replace(
+        scheduler_output,
+        scheduled_new_reqs=scheduled_new_reqs,
+        scheduled_cached_reqs=scheduled_cached_reqs,
+        num_scheduled_tokens=num_scheduled_tokens,
+        total_num_scheduled_tokens=(
+            scheduler_output.total_num_scheduled_tokens - sum(applied.values())
+        ),
+        # The hit tokens' KV must be in place before this step's forward.
+        has_sync_kv_loads=True,
+        applied_external_hits=applied,
+    )
+
+
+def stage_applied_external_hits(
+    req_states: "RequestState", scheduler_output: SchedulerOutput
+) -> None:
+    """Write the advanced num_computed_tokens of running requests with a hit
+    to Model Runner V2's GPU copy.
+
+    V2 writes num_computed_tokens to the GPU only in add_request() and then
+    advances it on the GPU; update_requests() refreshes only the CPU mirror.
+    A hit on a running request (a later chunk of a chunked prefill) must
+    reach the GPU too, or positions and slot mappings are computed from the
+    old count. New requests get the advanced count through add_request().
+    """
+    applied = scheduler_output.applied_external_hits
+    if not applied:
+        return
+    cached_reqs = scheduler_output.scheduled_cached_reqs
+    num_computed = req_states.num_computed_tokens
+    staged = False
+    for req_id, num_computed_tokens in zip(
+        cached_reqs.req_ids, cached_reqs.num_computed_tokens
+    ):
+        if req_id in applied:
+            num_computed.stage_write_elem(
+                req_states.req_id_to_index[req_id], num_computed_tokens
+            )
+            staged = True
+    if staged:
+        num_computed.apply_write()
+
+
+def validate_external_hits(hits: Mapping[str, int], source: str) -> None:
+    """Raise ValueError unless ``hits`` maps request ids to non-negative ints."""
+    if not isinstance(hits, Mapping):
+        raise ValueError(
+            f"{source} must be a dict of request id to number of tokens, "
+            f"got {type(hits).__name__}."
+        )
+    for req_id, num_tokens in hits.items():
+        # bool is an int subclass but never a token count.
+        if (
+            not isinstance(req_id, str)
+            or not isinstance(num_tokens, int)
+            or isinstance(num_tokens, bool)
+            or num_tokens < 0
+        ):
+            raise ValueError(
+                f"{source} gave {num_tokens!r} tokens for request {req_id!r}; "
+                "expected a str request id and a non-negative int. Return only "
+                "requests whose next tokens are loaded, with how many."
+            )
 
 
 def all_reduce_min(values: list[int], groups: Sequence[dist.ProcessGroup]) -> list[int]:
@@ -95,3 +305,23 @@ def record_applied_external_hits(
                 connector_prefix_cache_stats.preempted_hits += num_tokens
             else:
                 connector_prefix_cache_stats.hits += num_tokens
+
+
+def num_tokens_computed_in_step(
+    num_scheduled_tokens: dict[str, int],
+    applied_external_hits: Mapping[str, int] | None,
+) -> dict[str, int]:
+    """The tokens the workers computed per request in a step: the scheduled
+    ones less the applied hits.
+
+    The scheduler's failed-load path (invalid_block_ids) checks only the
+    blocks of tokens computed before the step; the tokens a hit skipped were
+    loaded during the step, so they must count as computed before it for a
+    failed load of theirs to be found and recomputed.
+    """
+    if not applied_external_hits:
+        return num_scheduled_tokens
+    return {
+        req_id: n - applied_external_hits.get(req_id, 0)
+        for req_id, n in num_scheduled_tokens.items()
+    }

@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tests for where the model runners call KVConnectorBase_V1.
+before_update_states(), and for Model Runner V2's request state update with
+the hits applied. They run on CPU: the runners' execute_model() is driven up
+to the state update with stand-ins for everything else, and V2's
+RequestState lives on the CPU with its staged-write kernel replaced by the
+equivalent tensor writes."""
+
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import MagicMock
+
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.test_before_update_states import (
+    HitsConnector,
+    _make_connector,
+    _scheduler_output,
+    _single_rank,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.gpu import buffer_utils
+from vllm.v1.worker.gpu import kv_connector as v2_kv_connector
+from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
+from vllm.v1.worker.gpu.states import RequestState
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
+
+pytestmark = pytest.mark.cpu_test
+
+
+class _StateUpdateReached(Exception):
+    pass
+
+
+def test_v1_runner_applies_hits_before_update_states(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    _single_rank(monkeypatch)
+    connector = _make_connector("HitsConnector", hits={"a": 40})
+    calls: list[str] = []
+    connector.handle_preemptions = lambda meta: calls.append("handle_preemptions")
+
+    def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
+        calls.append("before_update_states")
+        return {"a": 40}
+
+    monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
+    module = "vllm.v1.worker.gpu_model_runner"
+    monkeypatch.setattr(f"{module}.has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(f"{module}.get_kv_transfer_group", lambda: connector)
+    monkeypatch.setattr(
+        "vllm.v1.worker.kv_connector_model_runner_mixin.get_kv_transfer_group",
+        lambda: connector,
+    )
+    updated: list[SchedulerOutput] = []
+
+    def update_states(so: SchedulerOutput) -> None:
+        updated.append(so)
+        raise _StateUpdateReached
+
+    runner = MagicMock(
+        execute_model_state=None,
+        speculative_config=None,
+        _worker_external_hits=None,
+        _update_states=update_states,
+    )
+    runner.apply_kv_connector_external_hits = (
+        lambda so: V1ModelRunner.apply_kv_connector_external_hits(runner, so)
+    )
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    so.kv_connector_metadata = SimpleNamespace()
+
+    with pytest.raises(_StateUpdateReached):
+        V1ModelRunner.execute_model(runner, so)
+
+    assert calls == ["handle_preemptions", "before_update_states"]
+    assert updated[0].applied_external_hits == {"a": 40}
+    assert updated[0].num_scheduled_tokens == {"a": 60}
+
+
+def _cpu_apply_write(self: StagedWriteTensor) -> None:
+    """StagedWriteTensor.apply_write() without its Triton kernel."""
+    start = 0
+    for index, row_start, end in zip(
+        self._staged_write_indices,
+        self._staged_write_starts,
+        self._staged_write_cu_lens,
+    ):
+        values = torch.tensor(self._staged_write_contents[start:end])
+        row = self.gpu[index] if self.gpu.dim() > 1 else self.gpu
+        offset = row_start if self.gpu.dim() > 1 else index
+        row[offset : offset + end - start] = values
+        start = end
+    self.clear_staged_writes()
+
+
+@pytest.fixture
+def req_states(monkeypatch: pytest.MonkeyPatch) -> RequestState:
+    # Plain CPU tensors: no pinned memory without an accelerator.
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)
+    monkeypatch.setattr(StagedWriteTensor, "apply_write", _cpu_apply_write)
+    return RequestState(
+        max_num_reqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        num_speculative_steps=0,
+        vocab_size=128,
+        device=torch.device("cpu"),
+    )
+
+
+def _active_kv_connector(
+    monkeypatch: pytest.MonkeyPatch, connector: Any
+) -> v2_kv_connector.ActiveKVConnector:
+    monkeypatch.setattr(v2_kv_connector, "get_kv_transfer_group", lambda: connector)
+    return v2_kv_connector.ActiveKVConnector(connector._vllm_config, {})
+
+
+def test_v2_hit_on_running_request_reaches_gpu_num_computed_tokens(
+    monkeypatch: pytest.MonkeyPatch, req_states: RequestState
+):
+    """The second chunk of a chunked prefill takes a hit: the GPU copy of
+    num_computed_tokens, from which V2 computes positions and slot mappings,
+    must move with the CPU mirror."""
+    _single_rank(monkeypatch)
+    req_states.add_request(
+        req_id="c",
+        prompt_len=100,
+        all_token_ids=list(range(100)),
+        num_computed_tokens=0,
+        max_tokens=16,
+    )
+    req_states.apply_staged_writes()
+    idx = req_states.req_id_to_index["c"]
+    # The first chunk of 64 tokens ran: V2 advanced both copies.
+    req_states.num_computed_tokens.gpu[idx] = 64
+    req_states.num_computed_tokens_np[idx] = 64
+
+    connector = _make_connector("HitsConnector", hits={"c": 20})
+    kv = _active_kv_connector(monkeypatch, connector)
+    so = _scheduler_output(cached=[("c", 64, 0, 36)])
+    so.kv_connector_metadata = SimpleNamespace()
+    new_so = kv.before_update_states(so, req_states)
+    runner: Any = SimpleNamespace(req_states=req_states, block_tables=MagicMock())
+    V2ModelRunner.update_requests(runner, new_so)
+
+    assert new_so.applied_external_hits == {"c": 20}
+    assert req_states.num_computed_tokens_np[idx] == 84
+    assert int(req_states.num_computed_tokens.gpu[idx]) == 84
+
+
+def test_v2_new_request_hit_reaches_gpu_num_computed_tokens(
+    monkeypatch: pytest.MonkeyPatch, req_states: RequestState
+):
+    _single_rank(monkeypatch)
+    connector = _make_connector("HitsConnector", hits={"a": 30})
+    kv = _active_kv_connector(monkeypatch, connector)
+    so = _scheduler_output(new=[("a", 100, 0, 64)])
+    so.kv_connector_metadata = SimpleNamespace()
+    new_req = kv.before_update_states(so, req_states).scheduled_new_reqs[0]
+    req_states.add_request(
+        req_id="a",
+        prompt_len=100,
+        all_token_ids=list(range(100)),
+        num_computed_tokens=new_req.num_computed_tokens,
+        max_tokens=16,
+    )
+    req_states.apply_staged_writes()
+    idx = req_states.req_id_to_index["a"]
+    assert int(req_states.num_computed_tokens.gpu[idx]) == 30
+
+
+def test_v2_hook_order_matches_v1(monkeypatch: pytest.MonkeyPatch, req_states):
+    """handle_preemptions(), then the hook, then bind_connector_metadata(),
+    each once per step, as in the V1 runner."""
+    _single_rank(monkeypatch)
+    connector = _make_connector("HitsConnector", hits={})
+    calls: list[str] = []
+    connector.handle_preemptions = lambda meta: calls.append("handle_preemptions")
+    connector.bind_connector_metadata = lambda meta: calls.append("bind")
+
+    def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
+        calls.append("before_update_states")
+        return {}
+
+    monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
+    kv = _active_kv_connector(monkeypatch, connector)
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    so.kv_connector_metadata = SimpleNamespace()
+    for _ in range(2):
+        kv.pre_forward(kv.before_update_states(so, req_states))
+    assert calls == ["handle_preemptions", "before_update_states", "bind"] * 2
+
+
+def test_v2_runner_applies_hits_before_update_states():
+    """V2's execute_model() hands the hits-applied output, and its request
+    states, to every state update."""
+    applied = _scheduler_output(new=[("a", 100, 40, 60)])
+    seen: list[SchedulerOutput] = []
+
+    def finish_requests(so: SchedulerOutput) -> None:
+        seen.append(so)
+        raise _StateUpdateReached
+
+    runner = MagicMock(finish_requests=finish_requests)
+    runner.kv_connector.before_update_states.return_value = applied
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+
+    with pytest.raises(_StateUpdateReached):
+        V2ModelRunner.execute_model(runner, so)
+
+    runner.kv_connector.before_update_states.assert_called_once_with(
+        so, runner.req_states
+    )
+    assert seen == [applied]
