@@ -136,6 +136,43 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     assert head_tree(am_repo) == head_tree(trial_root / "build" / "vllm")
 
 
+def test_export_signs_off_every_commit_with_a_configurable_identity(
+    trial_root: Path,
+):
+    out = trial_root / "build" / "export"
+    patch = out / "0001-trial.patch"
+    assert wb(trial_root, "export").returncode == 0
+    default = patch.read_bytes()
+    assert default.count(b"Signed-off-by: ") == 1
+    assert (
+        b"\n\nSigned-off-by: vLLM KV lifecycle stack "
+        b"<kvlc-stack@users.noreply.invalid>\n\ndiff --git " in default
+    )
+
+    result = wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert result.returncode == 0, result.stderr
+    mine = patch.read_bytes()
+    assert b"\nSigned-off-by: Ada Lovelace <ada@example.org>\n\ndiff --git " in mine
+    assert b"kvlc-stack@users.noreply.invalid" not in mine.split(b"\n\n", 1)[1]
+    assert wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert patch.read_bytes() == mine
+
+    # An existing trailer block is extended, and the same sign-off not doubled.
+    message = trial_root / "patches" / "trial" / "message.md"
+    message.write_text(
+        message.read_text()
+        + "\nCo-authored-by: Helper <h@example.org>\n"
+        + "Signed-off-by: Ada Lovelace <ada@example.org>\n"
+    )
+    result = wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert result.returncode == 0, result.stderr
+    assert patch.read_bytes().count(b"Signed-off-by: ") == 1
+
+    result = wb(trial_root, "export", "--signoff", "ada")
+    assert result.returncode == 2
+    assert "'Full Name <email@host>'" in result.stderr and "KVLC_SIGNOFF" in result.stderr
+
+
 def test_check_passes_on_the_trial_stack_with_upstream_hooks(trial_root: Path):
     result = wb(trial_root, "check")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -58,7 +58,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    for path in export.export(_stack(args), args.out or args.root / "build" / "export"):
+    out = args.out or args.root / "build" / "export"
+    for path in export.export(_stack(args), out, signoff=args.signoff):
         print(f"exported {path}")
     return 0
 
@@ -239,6 +240,12 @@ def parser() -> argparse.ArgumentParser:
         "export", cmd_export, "write the stack as deterministic stacked PR patches"
     )
     sp.add_argument("--out", type=Path, help="default: ROOT/build/export")
+    sp.add_argument(
+        "--signoff",
+        metavar="'NAME <EMAIL>'",
+        help=f"the DCO Signed-off-by identity (default: ${export.SIGNOFF_ENV}, "
+        "else the project's)",
+    )
     sp = add(
         "check",
         cmd_check,
