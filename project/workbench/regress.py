@@ -26,6 +26,13 @@ test: with ``--stack`` (the test is gone from the tree), or when the installed
 build is a stack build (version ``+kvlc``; upstream's test of the old
 behaviour may fail against it). Such tests are counted and listed with their
 entry. The retirements are this checkout's stack's.
+
+Upstream's pristine tests run against a stack build may also fail where an
+entry changed what they assert on: such a failure is not a regression when
+the entry declares the edit of the test's file, or of a tests/ module or
+conftest.py it imports (``patches/<entry>/edited-tests``, see ``edited.py``).
+It is listed (``EDITED:``) and counted per entry; an undeclared one stays a
+regression.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench import stack, upstream
+from workbench import edited, stack, upstream
 from workbench.build import LOCAL_LABEL
 from workbench.errors import WorkbenchError
 from workbench.hf_fixture import write_hf_cache
@@ -532,7 +539,16 @@ def main(argv: Sequence[str]) -> int:
     result = compare(
         read_baseline(args.baseline), run.outcomes, selection, must_pass, retired
     )
+    explained: list[tuple[str, str, str]] = []
+    if stack_under_test and args.tests_from is None:
+        explained, result.regressions = edited.split_declared(
+            result.regressions, tests_root, stack.load(ROOT)
+        )
+        for line in edited.per_entry_lines(explained, stack.load(ROOT)):
+            print(line)
     print(f"{len(result.new_passes)} tests pass that are not in the baseline")
+    for node, outcome, entry in explained:
+        print(f"EDITED: {node} ({outcome}) by {entry}, declared in its edited-tests")
     for node, outcome, entry in result.retired:
         print(f"RETIRED: {node} ({outcome}) by {entry}")
     for node, outcome in result.regressions:
@@ -540,5 +556,7 @@ def main(argv: Sequence[str]) -> int:
     summary = f"{len(result.regressions)} regressions against {args.baseline.name}"
     if stack_under_test:
         summary += f", {len(result.retired)} retired by the stack"
+    if explained:
+        summary += f", {len(explained)} in upstream tests the stack declares edited"
     print(f"regress: {summary}")
     return 1 if result.regressions else 0
