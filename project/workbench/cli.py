@@ -79,12 +79,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_rebase_report(args: argparse.Namespace) -> int:
-    drifts = rebase.rebase_report(_stack(args), args.sdist)
-    report = rebase.format_report(args.sdist, drifts)
+    label, drifts = rebase.rebase_report(_stack(args), args.target, args.rev)
+    report = rebase.format_report(label, drifts)
     print(report)
     if args.output:
         args.output.write_text(report)
-    return 0 if all(d.status in ("clean", "offset") for d in drifts) else 1
+    return 0 if all(d.status == "clean" for d in drifts) else 1
 
 
 def cmd_regress(args: argparse.Namespace) -> int:
@@ -262,9 +262,15 @@ def parser() -> argparse.ArgumentParser:
         help="default: VLLM_TARGET_DEVICE or what the machine has",
     )
     sp = add(
-        "rebase-report", cmd_rebase_report, "assess the stack on a newer vLLM sdist"
+        "rebase-report",
+        cmd_rebase_report,
+        "assess the stack on a newer vLLM (sdist, git repository or tree) with "
+        "git's three-way merge",
     )
-    sp.add_argument("sdist", type=Path)
+    sp.add_argument(
+        "target", type=Path, help="a vLLM sdist, git repository, or source tree"
+    )
+    sp.add_argument("--rev", help="for a git repository: the revision (default HEAD)")
     sp.add_argument("--output", type=Path, help="also write the markdown report here")
     add(
         "regress",
