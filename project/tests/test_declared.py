@@ -175,7 +175,9 @@ def test_pr_text_follows_the_release_template(tmp_path: Path):
 )
 def test_pr_text_names_no_project_only_path(line: str):
     message = GOOD_MESSAGE.replace("Why.", f"Why.\n{line}\n")
-    problems = prtext.message_problems(_entry(message), prtext.template_headings_of(TEMPLATE))
+    problems = prtext.message_problems(
+        _entry(message), prtext.template_headings_of(TEMPLATE)
+    )
     assert len(problems) == 1 and "which a vLLM checkout does not have" in problems[0]
 
 
@@ -183,7 +185,10 @@ def test_pr_text_may_link_upstream():
     message = GOOD_MESSAGE.replace(
         "Why.", "See https://github.com/vllm-project/vllm/pull/1 and docs/design/x.md."
     )
-    assert prtext.message_problems(_entry(message), prtext.template_headings_of(TEMPLATE)) == []
+    assert (
+        prtext.message_problems(_entry(message), prtext.template_headings_of(TEMPLATE))
+        == []
+    )
 
 
 def test_the_pristine_template_is_found(pristine: Path):

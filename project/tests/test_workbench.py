@@ -352,12 +352,12 @@ def _sdist(tmp_path: Path, name: str, files: dict[str, str]) -> Path:
     ("edit", "status"),
     [
         (lambda t: t, "clean"),
-        (lambda t: "# moved\n" * 4 + t, "offset"),
+        (lambda t: "# moved\n" * 4 + t, "clean"),
         (
             lambda t: t.replace(
                 "    num_inputs: int = 0\n", "    num_inputs: int = 0  # new\n"
             ),
-            "fuzz",
+            "merged",
         ),
         (
             lambda t: t.replace("Stats for encoder inputs", "Counts of encoder inputs"),
@@ -376,19 +376,51 @@ def test_rebase_report_classifies_drift(
 ):
     original = (pristine / OUTPUT_PY).read_text()
     sdist = _sdist(tmp_path, "vllm-9.9.9", {OUTPUT_PY: edit(original)})
-    drifts = rebase.rebase_report(stack.load(trial_root), sdist)
+    label, drifts = rebase.rebase_report(stack.load(trial_root), sdist)
+    assert label == "vllm-9.9.9.tar.gz"
     assert [(d.name, d.status) for d in drifts] == [("trial", status)]
-    report = rebase.format_report(sdist, drifts)
-    assert f"| trial | {status} |" in report
+    report = rebase.format_report(label, drifts)
     if status == "conflict":
-        assert "failing hunk #1" in report
+        assert "| trial | conflict | 1 | 2 |" in report
+        assert f"Merge conflict in {OUTPUT_PY}" in report
+        assert "1 upstream lines against 1 of the entry" in report
+    else:
+        assert f"| trial | {status} | 0 | 0 |" in report
+
+
+def test_rebase_report_takes_a_git_repository_at_a_revision(
+    trial_root: Path, pristine: Path, tmp_path: Path
+):
+    repo = tmp_path / "upstream"
+    (repo / OUTPUT_PY).parent.mkdir(parents=True)
+    original = (pristine / OUTPUT_PY).read_text()
+    (repo / OUTPUT_PY).write_text(original)
+    git(tmp_path, "init", "--quiet", str(repo))
+    git(repo, "add", "--all")
+    git(repo, "commit", "--quiet", "-m", "release")
+    (repo / OUTPUT_PY).write_text(
+        original.replace("Stats for encoder inputs", "Counts of encoder inputs")
+    )
+    git(repo, "commit", "--quiet", "--all", "-m", "main")
+    release = git_text(repo, "rev-parse", "HEAD~1").strip()
+
+    label, drifts = rebase.rebase_report(stack.load(trial_root), repo)
+    assert label.startswith("upstream at HEAD (") and drifts[0].status == "conflict"
+    label, drifts = rebase.rebase_report(stack.load(trial_root), repo, release)
+    assert label == f"upstream at {release} ({release})"
+    assert drifts[0].status == "clean"
+    result = wb(trial_root, "rebase-report", str(repo), "--rev", "HEAD~1")
+    assert result.returncode == 0, result.stderr
+    assert "| trial | clean |" in result.stdout
+    with pytest.raises(WorkbenchError, match="no such path|does not exist"):
+        rebase.rebase_report(stack.load(trial_root), tmp_path / "nothing")
 
 
 def test_rebase_report_flags_an_added_file_that_now_exists(
     trial_root: Path, pristine: Path, tmp_path: Path
 ):
     files = {OUTPUT_PY: (pristine / OUTPUT_PY).read_text(), TRIAL_MODULE: "X = 1\n"}
-    drifts = rebase.rebase_report(
+    _, drifts = rebase.rebase_report(
         stack.load(trial_root), _sdist(tmp_path, "vllm-9.9.9", files)
     )
     assert drifts[0].status == "conflict"

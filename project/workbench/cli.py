@@ -15,6 +15,7 @@ from workbench import (
     devenv,
     export,
     materialize,
+    prefixes,
     rebase,
     refresh,
     regress,
@@ -69,7 +70,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"FAIL: {problem}")
     print("check: " + ("failed" if problems else "all good"))
+    if args.prefixes and not problems:
+        return prefixes.main(_stack(args), args.root, [])
     return 1 if problems else 0
+
+
+def cmd_prefix_check(args: argparse.Namespace) -> int:
+    return prefixes.main(_stack(args), args.root, args.rest)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -254,6 +261,17 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--no-lint", action="store_true", help="skip upstream's pre-commit hooks"
     )
+    sp.add_argument(
+        "--prefixes",
+        action="store_true",
+        help="the full check: then build and test every prefix (wb prefix-check)",
+    )
+    add(
+        "prefix-check",
+        cmd_prefix_check,
+        "build every prefix of the stack and run its top entry's tests and "
+        "upstream's tests of what it touches (./wb prefix-check --help)",
+    )
     sp = add("build", cmd_build, "build the patched vLLM wheel")
     sp.add_argument("--out", type=Path, help="default: ROOT/dist")
     sp.add_argument(
@@ -302,13 +320,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 # These pass the arguments they do not know on to the tool they run.
-PASS_THROUGH = {"regress", "demo", "test", "bench"}
+PASS_THROUGH = {"regress", "demo", "test", "bench", "prefix-check"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, rest = p.parse_known_args(argv)
-    if rest and args.func.__name__.removeprefix("cmd_") not in PASS_THROUGH:
+    command = args.func.__name__.removeprefix("cmd_").replace("_", "-")
+    if rest and command not in PASS_THROUGH:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:

@@ -177,7 +177,8 @@ def declaring_entry(
 
     That is an entry that edits the test's own file or a tests/ module it
     imports (directly or through other tests/ modules), such as a mock
-    connector in a shared helper, or a conftest.py pytest loads for it. The last such entry of the stack wins.
+    connector in a shared helper, or a conftest.py pytest loads for it. The
+    last such entry of the stack wins.
     """
     path = node_id.split("::", 1)[0]
     seen = _seen if _seen is not None else {}

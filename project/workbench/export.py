@@ -56,6 +56,7 @@ def signed_off(message: str, identity: str, scratch: Path) -> str:
     ).decode()
     return signed.rstrip("\n") + "\n"
 
+
 FORMAT_PATCH_FLAGS = (
     "--stdout",
     "--zero-commit",

@@ -91,7 +91,9 @@ def resolve_target(target: Path, rev: str | None, scratch: Path) -> Target:
             "repository (with --rev), or a source directory"
         )
     if is_git_dir(target):
-        commit = git_text(target, "rev-parse", "--verify", f"{rev or 'HEAD'}^{{commit}}")
+        commit = git_text(
+            target, "rev-parse", "--verify", f"{rev or 'HEAD'}^{{commit}}"
+        )
         commit = commit.strip()
         archive = git(target, "archive", "--format=tar", commit)
         dest.mkdir(parents=True)
@@ -104,9 +106,7 @@ def resolve_target(target: Path, rev: str | None, scratch: Path) -> Target:
     return Target(dest, target.name)
 
 
-_MARKERS = re.compile(
-    r"(?ms)^<{7}(?: [^\n]*)?\n(.*?)^={7}\n(.*?)^>{7}(?: [^\n]*)?$"
-)
+_MARKERS = re.compile(r"(?ms)^<{7}(?: [^\n]*)?\n(.*?)^={7}\n(.*?)^>{7}(?: [^\n]*)?$")
 
 
 def conflict_hunks(path: str, text: str) -> list[ConflictHunk]:
@@ -147,7 +147,9 @@ def commit_tree_of(repo: Path, tree: str, parent: str) -> str:
     return git(repo, "commit-tree", tree, "-p", parent, input=message).decode().strip()
 
 
-def _conflicts(repo: Path, tree: str, messages: str) -> tuple[list[str], list[ConflictHunk]]:
+def _conflicts(
+    repo: Path, tree: str, messages: str
+) -> tuple[list[str], list[ConflictHunk]]:
     """Git's conflict messages and the marker regions in the merged tree."""
     head, _, info = messages.partition("\n\n")
     paths = [p for p in head.splitlines()[1:] if p]
@@ -162,7 +164,9 @@ def _conflicts(repo: Path, tree: str, messages: str) -> tuple[list[str], list[Co
 
 def _applies(repo: Path, head: str, entry_commit: str) -> bool:
     """Whether the entry's diff applies to ``head`` as it is (no merge)."""
-    diff = git(repo, "diff", "--full-index", "--binary", f"{entry_commit}^", entry_commit)
+    diff = git(
+        repo, "diff", "--full-index", "--binary", f"{entry_commit}^", entry_commit
+    )
     git(repo, "read-tree", head)
     return git_status(repo, "apply", "--cached", "--check", input=diff).returncode == 0
 
@@ -188,7 +192,9 @@ def assess(stack: Stack, target: Target, scratch: Path) -> list[EntryDrift]:
             drifts.append(EntryDrift(entry.name, "conflict", clashes + details, hunks))
             continue
         if tree == git_text(repo, "rev-parse", f"{head}^{{tree}}").strip():
-            drifts.append(EntryDrift(entry.name, "upstream", ["already applied upstream"]))
+            drifts.append(
+                EntryDrift(entry.name, "upstream", ["already applied upstream"])
+            )
             continue
         status = "clean" if _applies(repo, head, commit) else "merged"
         drifts.append(EntryDrift(entry.name, status, clashes))

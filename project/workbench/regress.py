@@ -47,7 +47,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from workbench import edited, stack, upstream
@@ -541,9 +541,10 @@ def main(argv: Sequence[str]) -> int:
     )
     explained: list[tuple[str, str, str]] = []
     if stack_under_test and args.tests_from is None:
-        explained, result.regressions = edited.split_declared(
+        explained, kept = edited.split_declared(
             result.regressions, tests_root, stack.load(ROOT)
         )
+        result = replace(result, regressions=kept)
         for line in edited.per_entry_lines(explained, stack.load(ROOT)):
             print(line)
     print(f"{len(result.new_passes)} tests pass that are not in the baseline")
