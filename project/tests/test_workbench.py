@@ -375,7 +375,11 @@ def test_rebase_report_classifies_drift(
     trial_root: Path, pristine: Path, tmp_path: Path, edit, status
 ):
     original = (pristine / OUTPUT_PY).read_text()
-    sdist = _sdist(tmp_path, "vllm-9.9.9", {OUTPUT_PY: edit(original)})
+    files = {OUTPUT_PY: edit(original)}
+    if status == "upstream":
+        # The whole entry is upstream: its change and the file it adds.
+        files[TRIAL_MODULE] = (trial_root / TRIAL_MODULE).read_text()
+    sdist = _sdist(tmp_path, "vllm-9.9.9", files)
     label, drifts = rebase.rebase_report(stack.load(trial_root), sdist)
     assert label == "vllm-9.9.9.tar.gz"
     assert [(d.name, d.status) for d in drifts] == [("trial", status)]
