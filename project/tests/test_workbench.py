@@ -392,6 +392,17 @@ def test_rebase_report_classifies_drift(
         assert f"| trial | {status} | 0 | 0 |" in report
 
 
+def test_a_conflict_is_measured_and_carried_on_with_the_entry_side():
+    merged = (
+        "a\n<<<<<<< upstream\nx\ny\n=======\nz\n>>>>>>> entry\n"
+        "b\n<<<<<<< upstream\nq\n=======\n>>>>>>> entry\nc\n"
+    )
+    hunks = rebase.conflict_hunks("f.py", merged)
+    assert [(h.start, h.ours, h.theirs) for h in hunks] == [(2, 2, 1), (9, 1, 0)]
+    assert str(hunks[0]) == "f.py lines 2-7: 2 upstream lines against 1 of the entry"
+    assert rebase.take_entry_side(merged) == "a\nz\nb\nc\n"
+
+
 def test_rebase_report_takes_a_git_repository_at_a_revision(
     trial_root: Path, pristine: Path, tmp_path: Path
 ):

@@ -16,7 +16,9 @@ merge base. Each entry is classified:
 - ``conflict``: the merge leaves conflicts, listed per file with the lines of
   each conflicting hunk: the hand work a release costs.
 
-A conflicting entry is left out, so the ones above it are assessed without it.
+A conflicting entry is carried on with its own side of each conflict taken,
+so the entries above it are assessed with it, as they will be once a person
+resolved it: their conflicts are their own, not echoes of the one below.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ def resolve_target(target: Path, rev: str | None, scratch: Path) -> Target:
 _MARKERS = re.compile(r"(?ms)^<{7}(?: [^\n]*)?\n(.*?)^={7}\n(.*?)^>{7}(?: [^\n]*)?$")
 
 
+def take_entry_side(text: str) -> str:
+    """``text`` with each conflict region replaced by the entry's side."""
+    return re.sub(_MARKERS.pattern + "\n?", lambda m: m.group(2), text)
+
+
 def conflict_hunks(path: str, text: str) -> list[ConflictHunk]:
     """The conflict-marker regions git wrote into ``text``."""
     hunks = []
@@ -149,17 +156,27 @@ def commit_tree_of(repo: Path, tree: str, parent: str) -> str:
 
 def _conflicts(
     repo: Path, tree: str, messages: str
-) -> tuple[list[str], list[ConflictHunk]]:
-    """Git's conflict messages and the marker regions in the merged tree."""
+) -> tuple[list[str], list[ConflictHunk], str]:
+    """Git's conflict messages, the marker regions in the merged tree, and that
+    tree with the entry's side of each region taken."""
     head, _, info = messages.partition("\n\n")
     paths = [p for p in head.splitlines()[1:] if p]
     details = [line for line in info.splitlines() if line.startswith("CONFLICT")]
     hunks: list[ConflictHunk] = []
+    git(repo, "read-tree", tree)
     for path in dict.fromkeys(paths):
-        shown = git_status(repo, "show", f"{tree}:{path}")
-        if shown.returncode == 0:
-            hunks += conflict_hunks(path, shown.stdout.decode(errors="replace"))
-    return details, hunks
+        listing = git_text(repo, "ls-tree", tree, "--", path).split()
+        if not listing or listing[1] != "blob":
+            continue
+        text = git(repo, "show", f"{tree}:{path}").decode(errors="replace")
+        found = conflict_hunks(path, text)
+        if found:
+            hunks += found
+            resolved = take_entry_side(text).encode()
+            blob = git(repo, "hash-object", "-w", "--stdin", input=resolved).decode()
+            cacheinfo = f"{listing[0]},{blob.strip()},{path}"
+            git(repo, "update-index", "--cacheinfo", cacheinfo)
+    return details, hunks, git_text(repo, "write-tree").strip()
 
 
 def _applies(repo: Path, head: str, entry_commit: str) -> bool:
@@ -188,8 +205,9 @@ def assess(stack: Stack, target: Target, scratch: Path) -> list[EntryDrift]:
         ]
         tree, clean, messages = _merge(repo, head, commit)
         if not clean:
-            details, hunks = _conflicts(repo, tree, messages)
+            details, hunks, carried = _conflicts(repo, tree, messages)
             drifts.append(EntryDrift(entry.name, "conflict", clashes + details, hunks))
+            head = commit_tree_of(repo, carried, head)
             continue
         if tree == git_text(repo, "rev-parse", f"{head}^{{tree}}").strip():
             drifts.append(
