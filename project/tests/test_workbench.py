@@ -215,6 +215,8 @@ def test_check_validates_retired_tests_against_the_pristine_and_entry_trees(
     assert result.returncode == 1, result.stdout + result.stderr
     problems = [line for line in result.stdout.splitlines() if "FAIL" in line]
     assert problems == [
+        f"FAIL: entry trial edits upstream test file {kv_utils} but "
+        "patches/trial/edited-tests does not declare it; add it under a '# why' line",
         f"FAIL: patches/trial/retired-tests line 5: {kv_utils}::test_none_hsh names "
         "no test of the pristine sdist; fix the node id, or drop the line (only "
         "upstream's tests are retired)",
@@ -225,13 +227,17 @@ def test_check_validates_retired_tests_against_the_pristine_and_entry_trees(
     ]
 
     retired.write_text(valid)
+    edited = trial_root / "patches" / "trial" / "edited-tests"
+    edited.write_text(f"# The trial entry renames a test.\n{kv_utils}\n")
     result = wb(trial_root, "check", "--no-lint")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok: 1 retired tests, each gone after its entry" in result.stdout
+    assert "ok: 1 edited upstream test files, each declared" in result.stdout
     # Entry metadata, like owned-files: not part of the PR.
     assert wb(trial_root, "export").returncode == 0
     mail = (trial_root / "build" / "export" / "0001-trial.patch").read_text()
     assert "test_none_hash_is(" in mail and "retired-tests" not in mail
+    assert "edited-tests" not in mail
 
 
 def test_retired_tests_without_a_reason_are_refused(trial_root: Path):
