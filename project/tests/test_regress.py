@@ -171,6 +171,36 @@ def test_a_test_the_stack_retires_is_not_a_regression(
         assert "regress: FAIL: 3 regressions against baseline.txt\n" in out
 
 
+def test_pristine_failures_in_declared_edits_are_listed_per_entry(
+    tree: Path, trial_root: Path, monkeypatch, capsys
+) -> None:
+    (tree.parent / "site" / "vllm" / "__init__.py").write_text(
+        "WHERE = 'installed'\n__version__ = '0.32.0+kvlc.cpu'\n"
+    )
+    (trial_root / "patches" / "trial" / "edited-tests").write_text(
+        f"# The trial entry changes what this file checks.\n{P}\n"
+    )
+    monkeypatch.setattr(regress, "ROOT", trial_root)
+    # No --tests-from: upstream's pristine tests, here the fixture's tree.
+    monkeypatch.setattr(regress.upstream, "pristine_tree", lambda: tree)
+    baseline = tree.parent / "baseline.txt"
+    baseline.write_text(
+        f"{P}::test_ok\n{P}::test_now_fails\n{P}::test_param[2]\n"
+        "tests/unit/test_broken_import.py::test_never\n"
+    )
+    argv = ["--python", sys.executable, "--baseline", str(baseline)]
+    status = regress.main([*argv, P, "tests/unit/test_broken_import.py"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert f"entry trial: 2 pristine tests fail, all in declared edits ({P})" in out
+    assert f"EDITED: {P}::test_now_fails (failed) by trial" in out
+    assert f"EDITED: {P}::test_param[2] (failed) by trial" in out
+    assert "REGRESSION: tests/unit/test_broken_import.py::test_never (not run)" in out
+    assert "REGRESSION: " + P not in out
+    assert "1 regressions against baseline.txt" in out
+    assert "2 in upstream tests the stack declares edited" in out
+
+
 def test_retired_node_ids_cover_their_parametrizations_and_children() -> None:
     retired = stack.parse_retired(
         "e", f"# why\n{P}::test_x\ntests/unit/test_dir\n# other\n{P}::C::test_y[1]\n"

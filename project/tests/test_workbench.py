@@ -136,6 +136,43 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     assert head_tree(am_repo) == head_tree(trial_root / "build" / "vllm")
 
 
+def test_export_signs_off_every_commit_with_a_configurable_identity(
+    trial_root: Path,
+):
+    out = trial_root / "build" / "export"
+    patch = out / "0001-trial.patch"
+    assert wb(trial_root, "export").returncode == 0
+    default = patch.read_bytes()
+    assert default.count(b"Signed-off-by: ") == 1
+    assert (
+        b"\n\nSigned-off-by: vLLM KV lifecycle stack "
+        b"<kvlc-stack@users.noreply.invalid>\n\ndiff --git " in default
+    )
+
+    result = wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert result.returncode == 0, result.stderr
+    mine = patch.read_bytes()
+    assert b"\nSigned-off-by: Ada Lovelace <ada@example.org>\n\ndiff --git " in mine
+    assert b"kvlc-stack@users.noreply.invalid" not in mine.split(b"\n\n", 1)[1]
+    assert wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert patch.read_bytes() == mine
+
+    # An existing trailer block is extended, and the same sign-off not doubled.
+    message = trial_root / "patches" / "trial" / "message.md"
+    message.write_text(
+        message.read_text()
+        + "\nCo-authored-by: Helper <h@example.org>\n"
+        + "Signed-off-by: Ada Lovelace <ada@example.org>\n"
+    )
+    result = wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert result.returncode == 0, result.stderr
+    assert patch.read_bytes().count(b"Signed-off-by: ") == 1
+
+    result = wb(trial_root, "export", "--signoff", "ada")
+    assert result.returncode == 2
+    assert "'Full Name <email@host>'" in result.stderr and "KVLC_SIGNOFF" in result.stderr
+
+
 def test_check_passes_on_the_trial_stack_with_upstream_hooks(trial_root: Path):
     result = wb(trial_root, "check")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -178,6 +215,8 @@ def test_check_validates_retired_tests_against_the_pristine_and_entry_trees(
     assert result.returncode == 1, result.stdout + result.stderr
     problems = [line for line in result.stdout.splitlines() if "FAIL" in line]
     assert problems == [
+        f"FAIL: entry trial edits upstream test file {kv_utils} but "
+        "patches/trial/edited-tests does not declare it; add it under a '# why' line",
         f"FAIL: patches/trial/retired-tests line 5: {kv_utils}::test_none_hsh names "
         "no test of the pristine sdist; fix the node id, or drop the line (only "
         "upstream's tests are retired)",
@@ -188,13 +227,17 @@ def test_check_validates_retired_tests_against_the_pristine_and_entry_trees(
     ]
 
     retired.write_text(valid)
+    edited = trial_root / "patches" / "trial" / "edited-tests"
+    edited.write_text(f"# The trial entry renames a test.\n{kv_utils}\n")
     result = wb(trial_root, "check", "--no-lint")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok: 1 retired tests, each gone after its entry" in result.stdout
+    assert "ok: 1 edited upstream test files, each declared" in result.stdout
     # Entry metadata, like owned-files: not part of the PR.
     assert wb(trial_root, "export").returncode == 0
     mail = (trial_root / "build" / "export" / "0001-trial.patch").read_text()
     assert "test_none_hash_is(" in mail and "retired-tests" not in mail
+    assert "edited-tests" not in mail
 
 
 def test_retired_tests_without_a_reason_are_refused(trial_root: Path):
@@ -315,12 +358,12 @@ def _sdist(tmp_path: Path, name: str, files: dict[str, str]) -> Path:
     ("edit", "status"),
     [
         (lambda t: t, "clean"),
-        (lambda t: "# moved\n" * 4 + t, "offset"),
+        (lambda t: "# moved\n" * 4 + t, "clean"),
         (
             lambda t: t.replace(
                 "    num_inputs: int = 0\n", "    num_inputs: int = 0  # new\n"
             ),
-            "fuzz",
+            "merged",
         ),
         (
             lambda t: t.replace("Stats for encoder inputs", "Counts of encoder inputs"),
@@ -338,20 +381,67 @@ def test_rebase_report_classifies_drift(
     trial_root: Path, pristine: Path, tmp_path: Path, edit, status
 ):
     original = (pristine / OUTPUT_PY).read_text()
-    sdist = _sdist(tmp_path, "vllm-9.9.9", {OUTPUT_PY: edit(original)})
-    drifts = rebase.rebase_report(stack.load(trial_root), sdist)
+    files = {OUTPUT_PY: edit(original)}
+    if status == "upstream":
+        # The whole entry is upstream: its change and the file it adds.
+        files[TRIAL_MODULE] = (trial_root / TRIAL_MODULE).read_text()
+    sdist = _sdist(tmp_path, "vllm-9.9.9", files)
+    label, drifts = rebase.rebase_report(stack.load(trial_root), sdist)
+    assert label == "vllm-9.9.9.tar.gz"
     assert [(d.name, d.status) for d in drifts] == [("trial", status)]
-    report = rebase.format_report(sdist, drifts)
-    assert f"| trial | {status} |" in report
+    report = rebase.format_report(label, drifts)
     if status == "conflict":
-        assert "failing hunk #1" in report
+        assert "| trial | conflict | 1 | 2 |" in report
+        assert f"Merge conflict in {OUTPUT_PY}" in report
+        assert "1 upstream lines against 1 of the entry" in report
+    else:
+        assert f"| trial | {status} | 0 | 0 |" in report
+
+
+def test_a_conflict_is_measured_and_carried_on_with_the_entry_side():
+    merged = (
+        "a\n<<<<<<< upstream\nx\ny\n=======\nz\n>>>>>>> entry\n"
+        "b\n<<<<<<< upstream\nq\n=======\n>>>>>>> entry\nc\n"
+    )
+    hunks = rebase.conflict_hunks("f.py", merged)
+    assert [(h.start, h.ours, h.theirs) for h in hunks] == [(2, 2, 1), (9, 1, 0)]
+    assert str(hunks[0]) == "f.py lines 2-7: 2 upstream lines against 1 of the entry"
+    assert rebase.take_entry_side(merged) == "a\nz\nb\nc\n"
+
+
+def test_rebase_report_takes_a_git_repository_at_a_revision(
+    trial_root: Path, pristine: Path, tmp_path: Path
+):
+    repo = tmp_path / "upstream"
+    (repo / OUTPUT_PY).parent.mkdir(parents=True)
+    original = (pristine / OUTPUT_PY).read_text()
+    (repo / OUTPUT_PY).write_text(original)
+    git(tmp_path, "init", "--quiet", str(repo))
+    git(repo, "add", "--all")
+    git(repo, "commit", "--quiet", "-m", "release")
+    (repo / OUTPUT_PY).write_text(
+        original.replace("Stats for encoder inputs", "Counts of encoder inputs")
+    )
+    git(repo, "commit", "--quiet", "--all", "-m", "main")
+    release = git_text(repo, "rev-parse", "HEAD~1").strip()
+
+    label, drifts = rebase.rebase_report(stack.load(trial_root), repo)
+    assert label.startswith("upstream at HEAD (") and drifts[0].status == "conflict"
+    label, drifts = rebase.rebase_report(stack.load(trial_root), repo, release)
+    assert label == f"upstream at {release} ({release})"
+    assert drifts[0].status == "clean"
+    result = wb(trial_root, "rebase-report", str(repo), "--rev", "HEAD~1")
+    assert result.returncode == 0, result.stderr
+    assert "| trial | clean |" in result.stdout
+    with pytest.raises(WorkbenchError, match="no such path|does not exist"):
+        rebase.rebase_report(stack.load(trial_root), tmp_path / "nothing")
 
 
 def test_rebase_report_flags_an_added_file_that_now_exists(
     trial_root: Path, pristine: Path, tmp_path: Path
 ):
     files = {OUTPUT_PY: (pristine / OUTPUT_PY).read_text(), TRIAL_MODULE: "X = 1\n"}
-    drifts = rebase.rebase_report(
+    _, drifts = rebase.rebase_report(
         stack.load(trial_root), _sdist(tmp_path, "vllm-9.9.9", files)
     )
     assert drifts[0].status == "conflict"

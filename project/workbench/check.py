@@ -7,7 +7,10 @@
 5. The export, ``git am``-ed onto the pristine tree, reproduces the stack.
 6. No added line carries a new ``# type: ignore``.
 7. Every retired test exists in the pristine sdist and is gone after its entry.
-8. Upstream's own hooks (ruff, ruff-format, mypy, ...) pass on every touched file.
+8. Every upstream test file an entry edits is declared in its edited-tests.
+9. Every PR message has the sections of the release's PR template, discloses AI
+   assistance and names no path only this repository has.
+10. Upstream's own hooks (ruff, ruff-format, mypy, ...) pass on every touched file.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from workbench import lint, upstream
+from workbench import edited, lint, prtext, upstream
 from workbench.build import refuse_cpu_divergent
 from workbench.errors import WorkbenchError
 from workbench.export import am_onto_base, format_patches
@@ -112,6 +115,23 @@ def retired_test_problems(stack: Stack, repo: Path) -> list[str]:
     return problems
 
 
+def _declared_and_pr_text(stack: Stack, source: Path) -> list[str]:
+    problems = []
+    try:
+        declared = edited.edited_problems(stack)
+    except WorkbenchError as e:
+        declared = [str(e)]
+    if not declared:
+        count = sum(len(paths) for paths in edited.edited_in_diff(stack).values())
+        print(f"ok: {count} edited upstream test files, each declared by its entry")
+    problems += declared
+    headings = prtext.template_headings(source)
+    text = [p for e in stack.entries for p in prtext.message_problems(e, headings)]
+    if not text:
+        print(f"ok: every PR message has the template's sections {headings}")
+    return problems + text
+
+
 def check(stack: Stack, *, run_lint: bool = True) -> list[str]:
     """Run every check; return the problems found (empty: all good)."""
     problems: list[str] = []
@@ -130,6 +150,7 @@ def check(stack: Stack, *, run_lint: bool = True) -> list[str]:
                 f"entry {entry}: new '# type: ignore' in {path}: {line.strip()}"
             )
     source = upstream.pristine_tree()
+    problems += _declared_and_pr_text(stack, source)
     with tempfile.TemporaryDirectory(prefix="kvlc-check-") as tmp:
         repo = Path(tmp) / "stack"
         build_repo(stack, repo, source=source)

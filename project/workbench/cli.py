@@ -16,6 +16,7 @@ from workbench import (
     devenv,
     export,
     materialize,
+    prefixes,
     rebase,
     refresh,
     regress,
@@ -60,7 +61,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    for path in export.export(_stack(args), args.out or args.root / "build" / "export"):
+    out = args.out or args.root / "build" / "export"
+    for path in export.export(_stack(args), out, signoff=args.signoff):
         print(f"exported {path}")
     return 0
 
@@ -70,7 +72,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"FAIL: {problem}")
     print("check: " + ("failed" if problems else "all good"))
+    if args.prefixes and not problems:
+        return prefixes.main(_stack(args), args.root, [])
     return 1 if problems else 0
+
+
+def cmd_prefix_check(args: argparse.Namespace) -> int:
+    return prefixes.main(_stack(args), args.root, args.rest)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -80,12 +88,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_rebase_report(args: argparse.Namespace) -> int:
-    drifts = rebase.rebase_report(_stack(args), args.sdist)
-    report = rebase.format_report(args.sdist, drifts)
+    label, drifts = rebase.rebase_report(_stack(args), args.target, args.rev)
+    report = rebase.format_report(label, drifts)
     print(report)
     if args.output:
         args.output.write_text(report)
-    return 0 if all(d.status in ("clean", "offset") for d in drifts) else 1
+    return 0 if all(d.status == "clean" for d in drifts) else 1
 
 
 def cmd_regress(args: argparse.Namespace) -> int:
@@ -184,6 +192,12 @@ def parser() -> argparse.ArgumentParser:
         "export", cmd_export, "write the stack as deterministic stacked PR patches"
     )
     sp.add_argument("--out", type=Path, help="default: ROOT/build/export")
+    sp.add_argument(
+        "--signoff",
+        metavar="'NAME <EMAIL>'",
+        help=f"the DCO Signed-off-by identity (default: ${export.SIGNOFF_ENV}, "
+        "else the project's)",
+    )
     sp = add(
         "check",
         cmd_check,
@@ -191,6 +205,17 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--no-lint", action="store_true", help="skip upstream's pre-commit hooks"
+    )
+    sp.add_argument(
+        "--prefixes",
+        action="store_true",
+        help="the full check: then build and test every prefix (wb prefix-check)",
+    )
+    add(
+        "prefix-check",
+        cmd_prefix_check,
+        "build every prefix of the stack and run its top entry's tests and "
+        "upstream's tests of what it touches (./wb prefix-check --help)",
     )
     sp = add("build", cmd_build, "build the patched vLLM wheel")
     sp.add_argument("--out", type=Path, help="default: ROOT/dist")
@@ -200,9 +225,15 @@ def parser() -> argparse.ArgumentParser:
         help="default: VLLM_TARGET_DEVICE or what the machine has",
     )
     sp = add(
-        "rebase-report", cmd_rebase_report, "assess the stack on a newer vLLM sdist"
+        "rebase-report",
+        cmd_rebase_report,
+        "assess the stack on a newer vLLM (sdist, git repository or tree) with "
+        "git's three-way merge",
     )
-    sp.add_argument("sdist", type=Path)
+    sp.add_argument(
+        "target", type=Path, help="a vLLM sdist, git repository, or source tree"
+    )
+    sp.add_argument("--rev", help="for a git repository: the revision (default HEAD)")
     sp.add_argument("--output", type=Path, help="also write the markdown report here")
     add(
         "regress",
@@ -234,13 +265,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 # These pass the arguments they do not know on to the tool they run.
-PASS_THROUGH = {"regress", "demo", "test", "bench"}
+PASS_THROUGH = {"regress", "demo", "test", "bench", "prefix-check"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, rest = p.parse_known_args(argv)
-    if rest and args.func.__name__.removeprefix("cmd_") not in PASS_THROUGH:
+    command = args.func.__name__.removeprefix("cmd_").replace("_", "-")
+    if rest and command not in PASS_THROUGH:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:

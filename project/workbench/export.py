@@ -5,19 +5,57 @@ format-patch flags drop everything that changes between runs or git versions
 (the commit hash in the ``From`` line, the version signature, the diffstat,
 abbreviated blob ids). Every export is checked by ``git am`` onto the pristine
 tree, which must reproduce the materialized tree exactly.
+
+vLLM takes only commits with a DCO ``Signed-off-by:`` trailer, so every
+exported commit carries one: by default the project's identity (the one
+materialize commits with), or ``--signoff "Name <email>"`` /
+``KVLC_SIGNOFF`` for the person who submits the PRs. ``git interpret-trailers``
+adds it to the message's own trailer block (``Co-authored-by:`` ...), once.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from workbench import upstream
 from workbench.errors import WorkbenchError
-from workbench.gitutil import BASE_REF, git, git_text
+from workbench.gitutil import BASE_REF, IDENTITY, git, git_text
 from workbench.materialize import build_repo, init_base
 from workbench.stack import Stack
+
+SIGNOFF_ENV = "KVLC_SIGNOFF"
+DEFAULT_SIGNOFF = f"{IDENTITY['GIT_AUTHOR_NAME']} <{IDENTITY['GIT_AUTHOR_EMAIL']}>"
+_IDENTITY = re.compile(r"^[^<>\n]*[^<>\s][^<>\n]* <[^<>\s@]+@[^<>\s@]+>$")
+
+
+def signoff_identity(given: str | None = None) -> str:
+    """The sign-off identity: ``given``, else ``$KVLC_SIGNOFF``, else the project's."""
+    identity = (given or os.environ.get(SIGNOFF_ENV) or DEFAULT_SIGNOFF).strip()
+    if not _IDENTITY.match(identity):
+        raise WorkbenchError(
+            f"sign-off identity {identity!r} is not 'Full Name <email@host>'; "
+            f"pass --signoff 'Full Name <email@host>' or set {SIGNOFF_ENV}"
+        )
+    return identity
+
+
+def signed_off(message: str, identity: str, scratch: Path) -> str:
+    """``message`` with a ``Signed-off-by: identity`` trailer (not doubled)."""
+    signed = git(
+        scratch,
+        "interpret-trailers",
+        "--if-exists",
+        "addIfDifferent",
+        "--trailer",
+        f"Signed-off-by: {identity}",
+        input=message.encode(),
+    ).decode()
+    return signed.rstrip("\n") + "\n"
+
 
 FORMAT_PATCH_FLAGS = (
     "--stdout",
@@ -51,10 +89,27 @@ def am_onto_base(mails: list[bytes], source: Path, scratch: Path) -> str:
     return git_text(repo, "rev-parse", "HEAD^{tree}").strip()
 
 
-def export(stack: Stack, out_dir: Path, *, source: Path | None = None) -> list[Path]:
-    """Write ``NNNN-<entry>.patch`` per entry into ``out_dir``; return the paths."""
+def export(
+    stack: Stack,
+    out_dir: Path,
+    *,
+    source: Path | None = None,
+    signoff: str | None = None,
+) -> list[Path]:
+    """Write ``NNNN-<entry>.patch`` per entry into ``out_dir``; return the paths.
+
+    Each commit is signed off by ``signoff_identity(signoff)``.
+    """
     source = source or upstream.pristine_tree()
+    identity = signoff_identity(signoff)
     with tempfile.TemporaryDirectory(prefix="kvlc-export-") as tmp:
+        stack = replace(
+            stack,
+            entries=tuple(
+                replace(e, message=signed_off(e.message, identity, Path(tmp)))
+                for e in stack.entries
+            ),
+        )
         repo = Path(tmp) / "stack"
         build_repo(stack, repo, source=source, trailers=False)
         mails = format_patches(repo)

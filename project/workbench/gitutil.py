@@ -49,15 +49,22 @@ def _env() -> dict[str, str]:
     return env
 
 
-def git(repo: Path, *args: str, input: bytes | None = None) -> bytes:
-    """Run git in ``repo`` and return stdout; a failure raises WorkbenchError."""
+def git_status(
+    repo: Path, *args: str, input: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """Run git in ``repo`` with the pinned settings; the caller reads the status."""
     cmd = ["git"]
     for setting in PINNED_CONFIG:
         cmd += ["-c", setting]
     cmd += list(args)
-    proc = subprocess.run(
+    return subprocess.run(
         cmd, cwd=repo, env=_env(), input=input, capture_output=True, check=False
     )
+
+
+def git(repo: Path, *args: str, input: bytes | None = None) -> bytes:
+    """Run git in ``repo`` and return stdout; a failure raises WorkbenchError."""
+    proc = git_status(repo, *args, input=input)
     if proc.returncode != 0:
         raise WorkbenchError(
             f"git {' '.join(args)} failed in {repo}:\n"

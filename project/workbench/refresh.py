@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.edited import EDITED
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, ENTRY_TRAILER, git, git_text, split_trailer
 from workbench.stack import (
@@ -162,9 +163,9 @@ def write_stack(old: Stack, entries: list[EntryState]) -> list[str]:
             if path not in new_owned:
                 _remove(root / path, log)
         if old_entry.name not in kept:
-            # An entry's retired tests go with it: the upstream tests it
-            # removed are back once it is dropped.
-            for name in (MESSAGE, PATCH, OWNED, RETIRED):
+            # An entry's retired and edited tests go with it: the upstream
+            # tests it removed or changed are back once it is dropped.
+            for name in (MESSAGE, PATCH, OWNED, RETIRED, EDITED):
                 _remove(old.patches_dir / old_entry.name / name, log)
             entry_dir = old.patches_dir / old_entry.name
             if entry_dir.exists() and not any(entry_dir.iterdir()):

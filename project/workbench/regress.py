@@ -26,6 +26,13 @@ test: with ``--stack`` (the test is gone from the tree), or when the installed
 build is a stack build (version ``+kvlc``; upstream's test of the old
 behaviour may fail against it). Such tests are counted and listed with their
 entry. The retirements are this checkout's stack's.
+
+Upstream's pristine tests run against a stack build may also fail where an
+entry changed what they assert on: such a failure is not a regression when
+the entry declares the edit of the test's file, or of a tests/ module or
+conftest.py it imports (``patches/<entry>/edited-tests``, see ``edited.py``).
+It is listed (``EDITED:``) and counted per entry; an undeclared one stays a
+regression.
 """
 
 from __future__ import annotations
@@ -40,10 +47,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from workbench import stack, upstream
+from workbench import edited, stack, upstream
 from workbench.build import LOCAL_LABEL
 from workbench.errors import WorkbenchError
 from workbench.hf_fixture import write_hf_cache
@@ -538,12 +545,26 @@ def main(argv: Sequence[str]) -> int:
     result = compare(
         read_baseline(args.baseline), run.outcomes, selection, must_pass, retired
     )
+    explained: list[tuple[str, str, str]] = []
+    if stack_under_test and args.tests_from is None:
+        explained, kept = edited.split_declared(
+            result.regressions, tests_root, stack.load(ROOT)
+        )
+        result = replace(result, regressions=kept)
+        for line in edited.per_entry_lines(explained, stack.load(ROOT)):
+            print(line)
     print(f"{len(result.new_passes)} tests pass that are not in the baseline")
+    for node, outcome, entry in explained:
+        print(f"EDITED: {node} ({outcome}) by {entry}, declared in its edited-tests")
     for node, outcome, entry in result.retired:
         print(f"RETIRED: {node} ({outcome}) by {entry}")
     for node, outcome in result.regressions:
         print(f"REGRESSION: {node} ({outcome})")
-    accounted = {n for n, _ in result.regressions} | {n for n, *_ in result.retired}
+    accounted = (
+        {n for n, _ in result.regressions}
+        | {n for n, *_ in result.retired}
+        | {n for n, *_ in explained}
+    )
     known = [
         n
         for n, o in run.outcomes.items()
@@ -557,6 +578,8 @@ def main(argv: Sequence[str]) -> int:
     summary = f"{len(result.regressions)} regressions against {args.baseline.name}"
     if stack_under_test:
         summary += f", {len(result.retired)} retired by the stack"
+    if explained:
+        summary += f", {len(explained)} in upstream tests the stack declares edited"
     verdict = "FAIL" if result.regressions else "PASS"
     if args.summary_json:
         tallies = counts(run.outcomes)
@@ -567,6 +590,7 @@ def main(argv: Sequence[str]) -> int:
                     "regressions": len(result.regressions),
                     "known_failures": len(known),
                     "retired": len(result.retired),
+                    "edited": len(explained),
                     "skipped": tallies["skipped"],
                 }
             )
