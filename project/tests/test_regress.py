@@ -271,6 +271,7 @@ def test_record_then_compare_is_clean(tree: Path, capsys) -> None:
         "regressions": 0,
         "known_failures": 4,
         "retired": 0,
+        "edited": 0,
         "skipped": 1,
     }
 
