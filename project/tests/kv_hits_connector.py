@@ -61,8 +61,9 @@ class RecordedKVConnector(KVConnectorBase_V1):
         self.hit_tokens: list[int] = extra.get("hit_tokens", [0])
         self.hit_on: str = extra.get("hit_on", "first")
         self.block_size = vllm_config.cache_config.block_size
-        # Saved prompts of running requests waiting for their second chunk.
-        self.continuations: dict[str, tuple[Path, list[int]]] = {}
+        # Saved prompts of running requests waiting for their second chunk:
+        # (file, block ids so far, prompt length).
+        self.continuations: dict[str, tuple[Path, list[int], int]] = {}
         self.num_blocks = kv_cache_config.num_blocks
         self.kv_caches: dict[str, torch.Tensor] = {}
         # Blocks to save after this step's forward, or to write before it.
@@ -90,7 +91,11 @@ class RecordedKVConnector(KVConnectorBase_V1):
             elif not file.exists():
                 continue
             elif self.hit_on == "continuation":
-                self.continuations[req.req_id] = (file, list(req.block_ids[0]))
+                self.continuations[req.req_id] = (
+                    file,
+                    list(req.block_ids[0]),
+                    len(req.prompt_token_ids),
+                )
             else:
                 self.to_load.append((file, req.block_ids[0], 0))
                 hits[req.req_id] = self.hit_tokens[rank % len(self.hit_tokens)]
@@ -100,10 +105,14 @@ class RecordedKVConnector(KVConnectorBase_V1):
         ):
             if req_id not in self.continuations:
                 continue
-            file, block_ids = self.continuations.pop(req_id)
+            file, block_ids, prompt_len = self.continuations.pop(req_id)
+            # This connector loads whole blocks: a prompt past its end
+            # (decoding) or a chunk starting inside a block (a short prompt
+            # split by the shared token budget) gets no hit.
+            if num_computed >= prompt_len or num_computed % self.block_size:
+                continue
             if new_block_ids is not None:
                 block_ids += new_block_ids[0]
-            assert num_computed % self.block_size == 0, num_computed
             self.to_load.append((file, block_ids, num_computed // self.block_size))
             hits[req_id] = self.hit_tokens[rank % len(self.hit_tokens)]
         return hits

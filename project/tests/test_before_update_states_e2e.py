@@ -108,12 +108,6 @@ def test_loaded_kv_gives_same_output_with_fewer_computed_tokens(
     assert computed_tokens(path) == captured["computed"] - skipped
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fails on the CPU build (2026-11-23): the worker dies with error '13' "
-    "(traceback lost to the driver's output truncation) when the hit lands on "
-    "the second chunk; not diagnosed yet, see issue #14",
-)
 def test_hit_on_continuation_chunk_gives_same_output(
     model: Path, captured: dict[str, Any]
 ):
