@@ -89,6 +89,19 @@ def overrides_lifecycle(cls: type) -> bool:
     )
 
 
+def uses_lifecycle(connector: object) -> bool:
+    """Whether the scheduler (or a MultiConnector) drives ``connector``
+    through the lifecycle: a KVConnectorBase_V1 whose
+    uses_external_match_lifecycle is True. Anything else, including a Mock
+    configured through the legacy methods, gets the legacy pair."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return (
+        isinstance(connector, KVConnectorBase_V1)
+        and connector.uses_external_match_lifecycle is True
+    )
+
+
 def check_match_api(cls: type) -> None:
     """Raise TypeError unless ``cls`` implements a way to look up and a way to
     commit a match: prepare_external_match() or get_num_new_matched_tokens(),
@@ -148,13 +161,7 @@ class ExternalMatchLifecycle:
         update_state_after_alloc() directly (no connector, or one that does
         not use the lifecycle). With VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1
         every call is checked by an ExternalMatchChecker."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-            KVConnectorBase_V1,
-        )
-
-        if not isinstance(connector, KVConnectorBase_V1) or (
-            not connector.uses_external_match_lifecycle
-        ):
+        if not uses_lifecycle(connector):
             return None
         check = envs.VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE
         return cls(ExternalMatchChecker() if check else None)
