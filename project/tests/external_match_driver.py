@@ -24,6 +24,7 @@ and how often it was asked, not on the order of the calls.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from collections import Counter
@@ -221,8 +222,8 @@ def make_scheduler(connector: str, run: dict[str, Any]) -> Scheduler:
     )
     cache_config.kv_cache_layout = "LBNHC"
     extra: dict[str, Any] = {"seed": run["seed"]}
-    if run.get("check"):
-        extra["check_external_match_lifecycle"] = True
+    # The checker is switched on (or off) when the scheduler is built.
+    os.environ["VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE"] = "1" if run.get("check") else "0"
     return scheduler_harness.make_scheduler(
         model_config=ModelConfig(
             model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42

@@ -6,10 +6,11 @@ the guarantees Scheduler.schedule() gives on every path, the MultiConnector
 forwarding and the opt-in ExternalMatchChecker."""
 
 import dataclasses
+import os
 import random
 from collections import Counter
 from typing import Any
-from unittest.mock import Mock
+from unittest.mock import Mock, patch
 
 import pytest
 
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.external_match import (
     ExternalMatchChecker,
     ExternalMatchLifecycle,
     ExternalMatchLifecycleError,
+    LegacyMatchAdapter,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
@@ -73,7 +75,7 @@ class LeasingConnector(MockKVConnector):
 
     def prepare_external_match(
         self, request: Request, num_computed_tokens: int
-    ) -> ExternalKVMatch | None:
+    ) -> ExternalKVMatch[Lease] | None:
         req_id = request.request_id
         if req_id in self.open:
             self.violations.append(f"{req_id}: prepare while a lease is open")
@@ -91,7 +93,7 @@ class LeasingConnector(MockKVConnector):
         return ExternalKVMatch(offer, is_async and offer > 0, lease)
 
     def commit_external_match(
-        self, request: Request, blocks: KVCacheBlocks, match: ExternalKVMatch
+        self, request: Request, blocks: KVCacheBlocks, match: ExternalKVMatch[Lease]
     ) -> None:
         req_id = request.request_id
         self.calls.append(("commit", req_id, match.num_tokens))
@@ -105,7 +107,9 @@ class LeasingConnector(MockKVConnector):
         elif not 0 <= match.num_tokens <= lease.num_tokens:
             self.violations.append(f"{req_id}: commit of more than leased")
 
-    def abort_external_match(self, request: Request, match: ExternalKVMatch) -> None:
+    def abort_external_match(
+        self, request: Request, match: ExternalKVMatch[Lease]
+    ) -> None:
         req_id = request.request_id
         self.calls.append(("abort", req_id, match.num_tokens))
         lease = self.open.pop(req_id, None)
@@ -144,13 +148,16 @@ def _make_scheduler(
         kv_connector_extra_config={
             "matched_tokens": 0,
             "is_async": False,
-            "check_external_match_lifecycle": check,
             **(extra or {}),
         },
         block_size=BLOCK_SIZE,
         **config_kwargs,
     )
-    return create_scheduler(vllm_config, num_blocks=num_blocks)
+    # The checker is switched on when the scheduler is built.
+    with patch.dict(
+        os.environ, {"VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE": "1" if check else "0"}
+    ):
+        return create_scheduler(vllm_config, num_blocks=num_blocks)
 
 
 def _model_output(scheduler: Any, so: SchedulerOutput, **kv: Any) -> ModelRunnerOutput:
@@ -200,19 +207,82 @@ def test_defaults_bridge_to_the_legacy_methods():
     assert KVConnectorBase_V1.abort_external_match(connector, request, match) is None
 
 
-def test_connector_without_either_api_names_the_fix():
-    class NoMatchApi(MockKVConnector):
-        get_num_new_matched_tokens = KVConnectorBase_V1.get_num_new_matched_tokens
-
-    vllm_config = create_vllm_config(
+def _mock_connector_config() -> Any:
+    return create_vllm_config(
         kv_connector="MockKVConnector",
         kv_connector_module_path="tests.v1.kv_connector.unit.utils",
         kv_role="kv_both",
         kv_connector_extra_config={"matched_tokens": 0, "is_async": False},
     )
-    connector = NoMatchApi(vllm_config, KVConnectorRole.SCHEDULER, Mock())
-    with pytest.raises(NotImplementedError, match="prepare_external_match"):
-        connector.prepare_external_match(create_request(num_tokens=8), 0)
+
+
+def test_connector_without_either_api_fails_at_construction():
+    class NoMatchApi(MockKVConnector):
+        get_num_new_matched_tokens = KVConnectorBase_V1.get_num_new_matched_tokens
+
+    with pytest.raises(TypeError) as info:
+        NoMatchApi(_mock_connector_config(), KVConnectorRole.SCHEDULER, Mock())
+    message = str(info.value)
+    assert message.startswith("test_connector_without_either_api_fails_at_constr")
+    assert "NoMatchApi implements neither prepare_external_match()" in message
+    assert "get_num_new_matched_tokens()" in message
+
+    class NoCommit(MockKVConnector):
+        update_state_after_alloc = KVConnectorBase_V1.update_state_after_alloc
+
+    with pytest.raises(TypeError, match="commit_external_match.. or update_state"):
+        NoCommit(_mock_connector_config(), KVConnectorRole.SCHEDULER, Mock())
+
+
+def test_either_pair_constructs():
+    class Legacy(MockKVConnector):
+        pass
+
+    class Lifecycle(MockKVConnector):
+        get_num_new_matched_tokens = KVConnectorBase_V1.get_num_new_matched_tokens
+        update_state_after_alloc = KVConnectorBase_V1.update_state_after_alloc
+        prepare_external_match = LeasingConnector.prepare_external_match
+        commit_external_match = LeasingConnector.commit_external_match
+
+    legacy = Legacy(_mock_connector_config(), KVConnectorRole.SCHEDULER, Mock())
+    assert not legacy.uses_external_match_lifecycle
+    lifecycle = Lifecycle(_mock_connector_config(), KVConnectorRole.SCHEDULER, Mock())
+    assert lifecycle.uses_external_match_lifecycle
+
+
+def test_legacy_connector_is_called_directly_by_the_scheduler():
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config={"matched_tokens": BLOCK_SIZE, "is_async": False},
+        block_size=BLOCK_SIZE,
+    )
+    with patch.dict(os.environ, {"VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE": "1"}):
+        scheduler = create_scheduler(vllm_config)
+    # No lifecycle object, no match objects: the legacy pair costs what it did.
+    assert scheduler.external_matches is None
+    connector = scheduler.connector
+    connector.prepare_external_match = Mock()
+    connector.commit_external_match = Mock()
+    scheduler.add_request(create_request(num_tokens=50, block_size=BLOCK_SIZE))
+    scheduler.schedule()
+    connector.prepare_external_match.assert_not_called()
+    connector.commit_external_match.assert_not_called()
+
+
+def test_bare_mock_connector_is_driven_through_the_legacy_pair():
+    # Out-of-tree harnesses replace Scheduler.connector by a Mock configured
+    # through the legacy methods; it is not a KVConnectorBase_V1 subclass
+    # that overrides the lifecycle, so it gets the legacy calls.
+    scheduler = create_scheduler(create_vllm_config(block_size=BLOCK_SIZE))
+    scheduler.connector = Mock()
+    scheduler.connector.get_num_new_matched_tokens.return_value = (0, False)
+    request = create_request(num_tokens=50, block_size=BLOCK_SIZE)
+    scheduler.add_request(request)
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens[request.request_id] == 50
+    scheduler.connector.update_state_after_alloc.assert_called_once()
 
 
 def test_legacy_connector_calls_are_unchanged_through_the_scheduler():
@@ -584,13 +654,25 @@ def test_multi_connector_abort_and_none_release_every_sub_match():
 # ---------------------------------------------------------------------------
 
 
-def test_checker_is_off_by_default_and_on_by_config():
+def test_checker_is_off_by_default_and_on_by_env():
     assert _make_scheduler(check=False).external_matches._checker is None
     assert isinstance(
         _make_scheduler(check=True).external_matches._checker, ExternalMatchChecker
     )
-    with pytest.raises(ValueError, match="check_external_match_lifecycle"):
-        _make_scheduler(extra={"check_external_match_lifecycle": "yes"})
+
+
+def test_checker_catches_an_admission_without_commit():
+    scheduler = _make_scheduler(check=True, extra={"offer": BLOCK_SIZE})
+    lifecycle = scheduler.external_matches
+    # A scheduler that forgot the commit of an admitted request (guarantee 4).
+    lifecycle.commit = Mock()
+    request = create_request(num_tokens=60, block_size=BLOCK_SIZE)
+    scheduler.add_request(request)
+    with pytest.raises(ExternalMatchLifecycleError) as info:
+        scheduler.schedule()
+    message = str(info.value)
+    assert request.request_id in message
+    assert "admitted without commit_external_match()" in message
 
 
 def test_checker_reports_request_and_history():
@@ -625,10 +707,144 @@ def test_checker_catches_a_match_left_open():
     connector.prepare_external_match.return_value = ExternalKVMatch(16)
     checker.prepare(connector, request, 0)
     with pytest.raises(ExternalMatchLifecycleError, match="still open"):
-        checker.check_all_closed()
+        checker.end_pass([], [])
     with pytest.raises(ExternalMatchLifecycleError, match="while a match is open"):
         checker.prepare(connector, request, 0)
 
 
 def test_no_external_match_is_the_empty_match():
     assert ExternalKVMatch(0, False, None) == NO_EXTERNAL_MATCH
+
+
+def test_match_is_generic_in_its_query_result():
+    lease = Lease("r", 16)
+    match = ExternalKVMatch[Lease](16, False, lease)
+    assert match.query_result is lease and match == ExternalKVMatch(16, False, lease)
+
+
+# ---------------------------------------------------------------------------
+# Legacy entry points over sub-connectors that use the lifecycle.
+# ---------------------------------------------------------------------------
+
+
+def _legacy_multi_connector(legacy_offer: int | None) -> MultiConnector:
+    children: list[dict[str, Any]] = [
+        {
+            "kv_connector": "LeasingConnector",
+            "kv_connector_module_path": MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "matched_tokens": 0,
+                "is_async": False,
+                "offer": 2 * BLOCK_SIZE,
+            },
+        }
+    ]
+    if legacy_offer is not None:
+        children.insert(
+            0,
+            {
+                "kv_connector": "MockKVConnector",
+                "kv_connector_module_path": "tests.v1.kv_connector.unit.utils",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "matched_tokens": legacy_offer,
+                    "is_async": False,
+                },
+            },
+        )
+    vllm_config = create_vllm_config(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": children},
+    )
+    return MultiConnector(vllm_config, KVConnectorRole.SCHEDULER, Mock())
+
+
+def test_multi_connector_of_legacy_children_does_not_use_the_lifecycle():
+    vllm_config = create_vllm_config(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "connectors": [
+                {
+                    "kv_connector": "MockKVConnector",
+                    "kv_connector_module_path": "tests.v1.kv_connector.unit.utils",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "matched_tokens": 0,
+                        "is_async": False,
+                    },
+                }
+            ]
+            * 2
+        },
+    )
+    mc = MultiConnector(vllm_config, KVConnectorRole.SCHEDULER, Mock())
+    assert not mc.uses_external_match_lifecycle
+    assert ExternalMatchLifecycle.for_connector(mc) is None
+    assert _legacy_multi_connector(0).uses_external_match_lifecycle
+
+
+@pytest.mark.parametrize("legacy_offer", [None, 0])
+def test_multi_connector_legacy_entry_points_drive_lifecycle_children(
+    legacy_offer: int | None,
+):
+    mc = _legacy_multi_connector(legacy_offer)
+    leasing = mc._connectors[-1]
+    assert isinstance(leasing, LeasingConnector)
+    request = create_request(num_tokens=80, block_size=BLOCK_SIZE)
+    rid = request.request_id
+
+    # A lookup the caller drops is aborted by the next lookup.
+    assert mc.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, False)
+    assert mc.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, False)
+    mc.update_state_after_alloc(request, Mock(), BLOCK_SIZE)
+    assert leasing.calls == [
+        ("prepare", rid, 2 * BLOCK_SIZE),
+        ("abort", rid, 2 * BLOCK_SIZE),
+        ("prepare", rid, 2 * BLOCK_SIZE),
+        ("commit", rid, BLOCK_SIZE),
+    ]
+    _assert_clean(leasing)
+
+    # A lookup left open when the request finishes is aborted then.
+    other = create_request(num_tokens=80, block_size=BLOCK_SIZE)
+    mc.get_num_new_matched_tokens(other, 0)
+    mc.request_finished(other, [])
+    assert leasing.calls[-1] == ("abort", other.request_id, 2 * BLOCK_SIZE)
+    _assert_clean(leasing)
+
+
+def test_legacy_adapter_commits_unprepared_tokens_without_a_query_result():
+    connector = Mock(spec=KVConnectorBase_V1)
+    adapter = LegacyMatchAdapter(connector)
+    request, blocks = Mock(), Mock()
+    adapter.update_state_after_alloc(request, blocks, 0)
+    adapter.update_state_after_alloc(request, blocks, 16)
+    assert [c.args[2] for c in connector.commit_external_match.call_args_list] == [
+        NO_EXTERNAL_MATCH,
+        ExternalKVMatch(16),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Why prepare comes before the encoder and deferred-prefill rejections.
+# ---------------------------------------------------------------------------
+
+
+def test_deferred_prefill_is_admitted_when_its_match_loads_asynchronously():
+    # Under DP prefill balancing a request whose KV loads asynchronously is
+    # still admitted (it computes nothing this step): whether the deferral
+    # rejects a request depends on the match, so the match comes first.
+    scheduler = _make_scheduler(extra={"offer": 2 * BLOCK_SIZE, "is_async": True})
+    decoding = create_request(num_tokens=20, block_size=BLOCK_SIZE)
+    scheduler.add_request(decoding)
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, _model_output(scheduler, so))
+    scheduler.prefill_capacity_bound = False
+    request = create_request(num_tokens=60, block_size=BLOCK_SIZE)
+    scheduler.add_request(request)
+    scheduler.schedule(throttle_prefills=True)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _assert_clean(scheduler.connector)

@@ -9,33 +9,50 @@ does not admit it in this step and calls abort_external_match(). A connector
 may therefore pin, lease or prefetch in prepare and know that exactly one of
 commit or abort follows.
 
-ExternalMatchLifecycle is the scheduler's side of that contract: it keeps the
+Whether the scheduler speaks this lifecycle to a connector is decided once,
+when the scheduler is built (KVConnectorBase_V1.uses_external_match_lifecycle):
+a connector that overrides none of the three methods gets the legacy
+get_num_new_matched_tokens() / update_state_after_alloc() calls directly, as
+before the lifecycle existed, and pays nothing for it.
+
+ExternalMatchLifecycle is the scheduler's side of the contract: it keeps the
 matches prepared in the current scheduling pass and aborts those still open
 when the pass ends, whichever way the request left the pass.
 ExternalMatchChecker checks the contract at runtime for connector authors
-(kv_connector_extra_config {"check_external_match_lifecycle": true}).
+(VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1). LegacyMatchAdapter answers the legacy
+pair for a connector that implements the lifecycle, for callers that only
+speak the legacy pair (MultiConnector's legacy entry points).
 """
 
 import dataclasses
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
+
+import vllm.envs as envs
 
 if TYPE_CHECKING:
-    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-CHECK_EXTERNAL_MATCH_LIFECYCLE = "check_external_match_lifecycle"
+QueryResultT = TypeVar("QueryResultT")
+
+LIFECYCLE_METHODS = (
+    "prepare_external_match",
+    "commit_external_match",
+    "abort_external_match",
+)
 
 
 @dataclass(frozen=True)
-class ExternalKVMatch:
+class ExternalKVMatch(Generic[QueryResultT]):
     """Tokens a KV connector can provide for a request beyond its computed ones.
 
     Returned by KVConnectorBase_V1.prepare_external_match() and handed back to
     commit_external_match() or abort_external_match() of the same connector.
+    A connector annotates its own plan type, ``ExternalKVMatch[MyPlan]``, and
+    reads ``query_result`` back as ``MyPlan | None`` without a cast.
     """
 
     num_tokens: int
@@ -45,12 +62,12 @@ class ExternalKVMatch:
     load_kv_async: bool = False
     """Whether the tokens are loaded asynchronously, between scheduler steps.
     Must be False when num_tokens is 0."""
-    query_result: object | None = None
+    query_result: QueryResultT | None = None
     """Connector-owned state (a lookup result, a lease, pinned blocks). The
     scheduler never reads it and hands back the very same object."""
 
 
-NO_EXTERNAL_MATCH = ExternalKVMatch(num_tokens=0)
+NO_EXTERNAL_MATCH: ExternalKVMatch[Any] = ExternalKVMatch(num_tokens=0)
 """What commit_external_match() receives for a request admitted in a step in
 which the connector prepared no match for it (e.g. a request resuming after
 its asynchronous load finished)."""
@@ -60,12 +77,68 @@ class ExternalMatchLifecycleError(RuntimeError):
     """A guarantee of the external match lifecycle was broken."""
 
 
+def overrides_lifecycle(cls: type) -> bool:
+    """Whether ``cls`` (a KVConnectorBase_V1 subclass) overrides any of
+    prepare/commit/abort_external_match(): the default of
+    KVConnectorBase_V1.uses_external_match_lifecycle."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return any(
+        getattr(cls, name) is not getattr(KVConnectorBase_V1, name)
+        for name in LIFECYCLE_METHODS
+    )
+
+
+def uses_lifecycle(connector: object) -> bool:
+    """Whether the scheduler (or a MultiConnector) drives ``connector``
+    through the lifecycle: a KVConnectorBase_V1 whose
+    uses_external_match_lifecycle is True. Anything else, including a Mock
+    configured through the legacy methods, gets the legacy pair."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return (
+        isinstance(connector, KVConnectorBase_V1)
+        and connector.uses_external_match_lifecycle is True
+    )
+
+
+def check_match_api(cls: type) -> None:
+    """Raise TypeError unless ``cls`` implements a way to look up and a way to
+    commit a match: prepare_external_match() or get_num_new_matched_tokens(),
+    and commit_external_match() or update_state_after_alloc(). Called when a
+    connector is constructed, so a connector implementing neither pair fails
+    at startup rather than at its first request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    def overrides(name: str) -> bool:
+        return getattr(cls, name) is not getattr(KVConnectorBase_V1, name)
+
+    missing = [
+        f"{new}() or {legacy}()"
+        for new, legacy in (
+            ("prepare_external_match", "get_num_new_matched_tokens"),
+            ("commit_external_match", "update_state_after_alloc"),
+        )
+        if not overrides(new) and not overrides(legacy)
+    ]
+    if missing:
+        raise TypeError(
+            f"{cls.__qualname__} implements neither {' nor '.join(missing)}. "
+            "Implement prepare_external_match() and commit_external_match() "
+            "(and abort_external_match() if prepare reserves anything), or "
+            "the legacy get_num_new_matched_tokens() and "
+            "update_state_after_alloc()."
+        )
+
+
 class ExternalMatchLifecycle:
     """Matches prepared in the current scheduling pass, owned by the Scheduler.
 
+    Exists only for a connector that uses the lifecycle (for_connector()
+    returns None otherwise, and the Scheduler calls the legacy pair itself).
     Scheduler.schedule() calls prepare() where it asks the connector for
     external tokens, commit() once the request's blocks are allocated, and
-    abort_open() when its pass over the waiting queues ends. A request left
+    end_pass() when its pass over the waiting queues ends. A request left
     out of the pass (skipped, or the pass stopped at it) has its match
     aborted there, so no match outlives the pass in which it was prepared:
     commit or abort always comes before the next prepare for the request and
@@ -76,25 +149,21 @@ class ExternalMatchLifecycle:
     """
 
     def __init__(self, checker: "ExternalMatchChecker | None" = None) -> None:
-        self._open: dict[str, tuple[Request, ExternalKVMatch]] = {}
+        self._open: dict[str, tuple[Request, ExternalKVMatch[Any]]] = {}
         self._checker = checker
 
     @classmethod
-    def from_config(
-        cls, kv_transfer_config: "KVTransferConfig | None"
-    ) -> "ExternalMatchLifecycle":
-        """Build the lifecycle, with an ExternalMatchChecker if the connector's
-        extra config sets check_external_match_lifecycle to true."""
-        check = False
-        if kv_transfer_config is not None:
-            check = kv_transfer_config.get_from_extra_config(
-                CHECK_EXTERNAL_MATCH_LIFECYCLE, False
-            )
-        if not isinstance(check, bool):
-            raise ValueError(
-                f"kv_connector_extra_config[{CHECK_EXTERNAL_MATCH_LIFECYCLE!r}] "
-                f"must be true or false, got {check!r}."
-            )
+    def for_connector(
+        cls, connector: "KVConnectorBase_V1 | None"
+    ) -> "ExternalMatchLifecycle | None":
+        """The lifecycle for ``connector``, or None if the scheduler should
+        call its legacy get_num_new_matched_tokens() and
+        update_state_after_alloc() directly (no connector, or one that does
+        not use the lifecycle). With VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1
+        every call is checked by an ExternalMatchChecker."""
+        if not uses_lifecycle(connector):
+            return None
+        check = envs.VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE
         return cls(ExternalMatchChecker() if check else None)
 
     def prepare(
@@ -125,6 +194,7 @@ class ExternalMatchLifecycle:
         """Commit the request's match with the external tokens the scheduler
         accepted (NO_EXTERNAL_MATCH if none was prepared in this pass)."""
         entry = self._open.pop(request.request_id, None)
+        match: ExternalKVMatch[Any]
         if entry is None:
             # No prepare in this pass (e.g. the request's async load ended).
             match = (
@@ -143,8 +213,15 @@ class ExternalMatchLifecycle:
         else:
             connector.commit_external_match(request, blocks, match)
 
-    def abort_open(self, connector: "KVConnectorBase_V1 | None") -> None:
-        """Abort every match still open; called when the waiting pass ends."""
+    def end_pass(
+        self,
+        connector: "KVConnectorBase_V1 | None",
+        new_reqs: list["Request"],
+        resumed_reqs: list["Request"],
+    ) -> None:
+        """Abort every match still open; called when the pass over the
+        waiting requests ends, with the requests it admitted (new and
+        resumed), which the checker verifies were all committed."""
         if self._open:
             assert connector is not None
             open_matches, self._open = self._open, {}
@@ -154,19 +231,20 @@ class ExternalMatchLifecycle:
                 else:
                     connector.abort_external_match(request, match)
         if self._checker is not None:
-            self._checker.check_all_closed()
+            self._checker.end_pass(new_reqs, resumed_reqs)
 
 
 class ExternalMatchChecker:
     """Checks every call of the lifecycle between scheduler and connector and
     raises ExternalMatchLifecycleError, with the request id and its recent
     calls, when a guarantee is broken or the connector answers something
-    that is not a valid match. A debugging aid, off by default; enable it
-    with kv_connector_extra_config {"check_external_match_lifecycle": true}.
+    that is not a valid match. A debugging aid for connector authors, off by
+    default; VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1 turns it on.
     """
 
     def __init__(self, max_history: int = 16, max_requests: int = 4096) -> None:
-        self._prepared: dict[str, ExternalKVMatch] = {}
+        self._prepared: dict[str, ExternalKVMatch[Any]] = {}
+        self._committed: set[str] = set()
         self._history: OrderedDict[str, deque[str]] = OrderedDict()
         self._max_history = max_history
         self._max_requests = max_requests
@@ -176,7 +254,7 @@ class ExternalMatchChecker:
         connector: "KVConnectorBase_V1",
         request: "Request",
         num_computed_tokens: int,
-    ) -> ExternalKVMatch | None:
+    ) -> ExternalKVMatch[Any] | None:
         req_id = request.request_id
         if req_id in self._prepared:
             self._fail(req_id, "prepare_external_match() while a match is open")
@@ -209,10 +287,11 @@ class ExternalMatchChecker:
         connector: "KVConnectorBase_V1",
         request: "Request",
         blocks: "KVCacheBlocks",
-        match: ExternalKVMatch,
+        match: ExternalKVMatch[Any],
     ) -> None:
         req_id = request.request_id
         self._record(req_id, f"commit_external_match({_describe(match)})")
+        self._committed.add(req_id)
         prepared = self._prepared.pop(req_id, None)
         if prepared is None:
             if match != NO_EXTERNAL_MATCH:
@@ -223,13 +302,15 @@ class ExternalMatchChecker:
             self._fail(req_id, "commit of more tokens than prepared")
         elif match.load_kv_async and not prepared.load_kv_async:
             self._fail(req_id, "commit of an asynchronous load never offered")
+        elif match.load_kv_async and match.num_tokens == 0:
+            self._fail(req_id, "commit of an asynchronous load of 0 tokens")
         connector.commit_external_match(request, blocks, match)
 
     def abort(
         self,
         connector: "KVConnectorBase_V1",
         request: "Request",
-        match: ExternalKVMatch,
+        match: ExternalKVMatch[Any],
     ) -> None:
         req_id = request.request_id
         self._record(req_id, f"abort_external_match({_describe(match)})")
@@ -240,10 +321,22 @@ class ExternalMatchChecker:
             self._fail(req_id, "abort with another match than prepared")
         connector.abort_external_match(request, match)
 
-    def check_all_closed(self) -> None:
-        """Every prepared match is committed or aborted when a pass ends."""
+    def end_pass(
+        self, new_reqs: list["Request"], resumed_reqs: list["Request"]
+    ) -> None:
+        """Every prepared match is committed or aborted when a pass ends
+        (guarantees 1 and 3), and every request the pass admitted was
+        committed, with or without external tokens (guarantee 4)."""
         for req_id in self._prepared:
             self._fail(req_id, "match still open at the end of the scheduling pass")
+        for request in (*new_reqs, *resumed_reqs):
+            if request.request_id not in self._committed:
+                self._record(request.request_id, "admitted")
+                self._fail(
+                    request.request_id,
+                    "admitted without commit_external_match()",
+                )
+        self._committed.clear()
 
     def _record(self, req_id: str, call: str) -> None:
         history = self._history.pop(req_id, None)
@@ -262,15 +355,54 @@ class ExternalMatchChecker:
         )
 
 
-def missing_match_api(connector: object, method: str) -> str:
-    """The error for a connector that implements neither form of the
-    scheduler-side match API, raised from the default of ``method``."""
-    return (
-        f"{type(connector).__name__} must implement prepare_external_match() "
-        "and commit_external_match() (or the legacy get_num_new_matched_tokens() "
-        f"and update_state_after_alloc()); {method}() was called and has no "
-        "default."
-    )
+class LegacyMatchAdapter:
+    """get_num_new_matched_tokens() and update_state_after_alloc() for a
+    connector that implements the lifecycle, for a caller that only speaks
+    the legacy pair (MultiConnector's legacy entry points).
+
+    The legacy pair says nothing about a lookup the caller drops, so the
+    match prepared by a lookup stays open until update_state_after_alloc()
+    commits it, the next lookup for the request aborts and replaces it, or
+    the caller calls release() when the request finishes.
+    """
+
+    def __init__(self, connector: "KVConnectorBase_V1") -> None:
+        self.connector = connector
+        self._open: dict[str, ExternalKVMatch[Any]] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.release(request)
+        match = self.connector.prepare_external_match(request, num_computed_tokens)
+        if match is None:
+            return None, False
+        self._open[request.request_id] = match
+        return match.num_tokens, match.load_kv_async
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        match = self._open.pop(request.request_id, None)
+        if match is None:
+            match = (
+                NO_EXTERNAL_MATCH
+                if num_external_tokens == 0
+                else ExternalKVMatch(num_external_tokens)
+            )
+        elif match.num_tokens != num_external_tokens:
+            match = dataclasses.replace(
+                match,
+                num_tokens=num_external_tokens,
+                load_kv_async=match.load_kv_async and num_external_tokens > 0,
+            )
+        self.connector.commit_external_match(request, blocks, match)
+
+    def release(self, request: "Request") -> None:
+        """Abort the match a lookup left open for ``request``, if any."""
+        match = self._open.pop(request.request_id, None)
+        if match is not None:
+            self.connector.abort_external_match(request, match)
 
 
 def _describe(match: object) -> str:
