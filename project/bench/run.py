@@ -307,14 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if free_blocks is not None:
         doc += [
-            "## `iter_free_blocks(after_block)` resume cost",
+            "## `iter_free_blocks(after_block_id)` resume cost",
             "",
             *free_blocks_section(free_blocks),
             "",
         ]
     else:
         doc += [
-            "## `iter_free_blocks(after_block)` resume cost",
+            "## `iter_free_blocks(after_block_id)` resume cost",
             "",
             "Not measured: the stack does not have `bind_scheduler_context` yet.",
             "",

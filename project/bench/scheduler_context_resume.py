@@ -1,4 +1,4 @@
-"""What resuming ``SchedulerContext.iter_free_blocks(after_block)`` costs.
+"""What resuming ``SchedulerContext.iter_free_blocks(after_block_id)`` costs.
 
 For pools of 1k, 10k, 100k and 1M blocks (patched build only), the seconds
 from ``iter_free_blocks(cursor)`` to its first yielded block, with the cursor
@@ -38,8 +38,11 @@ def resume_seconds(num_blocks: int, batches: int, per_batch: int) -> float:
     # Shuffle the queue a little so it is not in block-id order.
     blocks = pool.get_new_blocks(min(64, num_blocks - 1))
     pool.free_blocks(reversed(blocks))
-    cursor = context.get_block(num_blocks // 2)
-    assert cursor.ref_cnt == 0
+    # A cursor must come from a scan: take the block in the middle.
+    scan = context.iter_free_blocks()
+    for _ in range(pool.get_num_free_blocks() // 2):
+        cursor = next(scan).block_id
+    scan.close()
     timings: list[float] = []
     gc.disable()
     try:

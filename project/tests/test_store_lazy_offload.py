@@ -35,10 +35,17 @@ class CountingContext(scheduler_context.BlockPoolSchedulerContext):
 
     yielded = 0
 
-    def iter_free_blocks(self, after_block: Any = None) -> Iterator[Any]:
-        for block in super().iter_free_blocks(after_block):
-            self.yielded += 1
-            yield block
+    def iter_free_blocks(self, after_block_id: int | None = None) -> Iterator[Any]:
+        # Not a generator itself: a cursor that left the queue must raise on
+        # the call, as the real context does.
+        scan = super().iter_free_blocks(after_block_id)
+
+        def counted() -> Iterator[Any]:
+            for block in scan:
+                self.yielded += 1
+                yield block
+
+        return counted()
 
 
 def plain_hash(block_id: int) -> bytes:
@@ -136,6 +143,23 @@ def test_a_cursor_that_left_the_queue_restarts_the_scan():
     pool.get_new_blocks(5)  # 3 4 6 7 8 leave too.
     assert free_queue(pool) == [9, 1, 2]
     assert plan(lazy) == [1, 2]
+
+
+def test_a_cursor_that_left_and_came_back_restarts_the_scan():
+    """A prefix hit takes the cursor block and frees it again: free, but now
+    at the far end. Resuming there would never examine the eviction end."""
+    pool, context = make_pool()
+    cache_and_free(pool, 9)  # free queue: 1..9, all cached
+    lazy = LazyOffload(context, window=3, known_stored=100)
+    for block_id in range(1, 10):
+        if block_id != 4:
+            lazy.mark_stored(plain_hash(block_id))
+    assert plan(lazy) == []  # examined 1 2 3; cursor 3
+    pool.touch([pool.blocks[3]])
+    pool.free_blocks([pool.blocks[3]])
+    assert free_queue(pool) == [1, 2, 4, 5, 6, 7, 8, 9, 3]
+    pool.get_new_blocks(2)  # 1 and 2 leave from the eviction end.
+    assert plan(lazy) == [4]
 
 
 def test_known_stored_is_bounded():

@@ -245,7 +245,6 @@ class StoreConnector(KVConnectorBase_V1):
         self._store_down: set[str] = set()
 
         # Scheduler side.
-        self._scheduler_context: Any = None
         self._lazy: LazyOffload | None = None
         self._requests: dict[str, Request] = {}
         self._pending: dict[str, Offer] = {}  # legacy path: offered, not taken
@@ -563,7 +562,6 @@ class StoreConnector(KVConnectorBase_V1):
 
     def bind_scheduler_context(self, scheduler_context: Any) -> None:
         """Stack entry 3: the scheduler's typed view of its KV cache."""
-        self._scheduler_context = scheduler_context
         if self._config.offload == "lazy":
             scheduler = self._vllm_config.scheduler_config
             window = self._config.offload_window_blocks or 2 * -(
@@ -581,8 +579,6 @@ class StoreConnector(KVConnectorBase_V1):
             self._lazy.on_saved(saved)
 
     def _block_ids(self, req_id: str) -> list[int]:
-        if self._scheduler_context is not None:
-            return list(self._scheduler_context.get_request_block_ids(req_id)[0])
         manager = self._kv_cache_manager
         if manager is None:
             return []

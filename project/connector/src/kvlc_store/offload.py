@@ -14,7 +14,10 @@ it meanwhile.
 
 The scan resumes where the previous step's stopped (``iter_free_blocks``
 after the last block it kept), so a step examines only the blocks that
-entered the window since, not the whole window again.
+entered the window since, not the whole window again. The context refuses to
+resume after a block that has left the free queue since the scan saw it (even
+if it is back, now at the far end); the scan then restarts from the eviction
+end.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, get_block_hash
 
 
 @dataclass
@@ -61,11 +63,12 @@ class LazyOffload:
         self._context = context
         self._window = window
         self._known_stored = known_stored
-        # Free blocks already examined, in free-queue order from the eviction
-        # end, with the hash each had then; the last one is the scan cursor.
-        self._examined: deque[tuple[Any, BlockHashWithGroupId | None]] = deque()
+        # Ids of the free blocks already examined, in free-queue order from
+        # the eviction end; the last one is the scan cursor.
+        self._examined: deque[int] = deque()
         self._stored: OrderedDict[bytes, None] = OrderedDict()
-        self._pinned: dict[int, tuple[Any, bytes]] = {}
+        # Pinned block id -> the content hash being saved.
+        self._pinned: dict[int, bytes] = {}
 
     @property
     def num_pinned(self) -> int:
@@ -85,51 +88,56 @@ class LazyOffload:
         # Blocks allocated or hit since the last step left the queue; a block
         # that left from the middle of the window still counts until it
         # reaches the front, so the window is at most that much shorter.
-        while self._examined and not self._unchanged(*self._examined[0]):
+        while self._examined and not self._in_place(self._examined[0]):
             self._examined.popleft()
-        cursor = None
+        scan = None
         if self._examined:
-            cursor = self._examined[-1][0]
-            if not self._unchanged(*self._examined[-1]):
+            try:
+                scan = self._context.iter_free_blocks(self._examined[-1])
+            except ValueError:
+                # The cursor left the queue since: restart from the front.
                 self._examined.clear()
-                cursor = None
-        pin: list[tuple[Any, bytes]] = []
+        pin: list[tuple[int, bytes]] = []
         if len(self._examined) < self._window:
-            scan = self._context.iter_free_blocks(cursor)
+            if scan is None:
+                scan = self._context.iter_free_blocks()
             for block in scan:
-                block_hash = block.block_hash
-                plain = None
-                if block_hash is not None and block.group_id == 0:
-                    plain = bytes(get_block_hash(block_hash))
-                if plain is not None and plain not in self._stored:
+                content_hash = block.content_hash if block.group_id == 0 else None
+                if content_hash is not None and content_hash not in self._stored:
                     # Pinned blocks leave the free queue, so they are not
                     # kept as examined (nor as the cursor).
-                    pin.append((block, plain))
+                    pin.append((block.block_id, bytes(content_hash)))
                 else:
-                    self._examined.append((block, block_hash))
+                    self._examined.append(block.block_id)
                 if len(self._examined) + len(pin) >= self._window:
                     break
+        if scan is not None:
             scan.close()
         if pin:
-            self._context.touch([block for block, _ in pin])
-        for block, plain in pin:
-            self._pinned[block.block_id] = (block, plain)
-            save(block.block_id, plain)
+            self._context.touch([block_id for block_id, _ in pin])
+        for block_id, content_hash in pin:
+            self._pinned[block_id] = content_hash
+            save(block_id, content_hash)
 
-    def _unchanged(self, block: Any, block_hash: BlockHashWithGroupId | None) -> bool:
-        return bool(block.ref_cnt == 0 and block.block_hash == block_hash)
+    def _in_place(self, block_id: int) -> bool:
+        """Whether the block is still where the scan saw it: the context
+        resumes after such a block only."""
+        try:
+            self._context.iter_free_blocks(block_id).close()
+        except ValueError:
+            return False
+        return True
 
     def on_saved(self, saved: SavedBlocks) -> None:
         """Release the pins of saves the workers finished. Scheduler thread,
         from ``update_connector_output``."""
         release = []
         for block_id in saved.done | saved.failed:
-            entry = self._pinned.pop(block_id, None)
-            if entry is None:
+            content_hash = self._pinned.pop(block_id, None)
+            if content_hash is None:
                 continue
-            block, plain = entry
-            release.append(block)
+            release.append(block_id)
             if block_id not in saved.failed:
-                self.mark_stored(plain)
+                self.mark_stored(content_hash)
         if release:
             self._context.free_blocks(release)

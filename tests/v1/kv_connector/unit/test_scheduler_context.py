@@ -5,7 +5,6 @@ KVConnectorBase_V1.bind_scheduler_context(), against the real BlockPool,
 KVCacheManager and Scheduler."""
 
 import random
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.scheduler_context import (
     BlockPoolSchedulerContext,
-    KVCacheBlockView,
     SchedulerContext,
 )
 from vllm.utils.hashing import sha256
@@ -39,7 +37,6 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    SlidingWindowSpec,
 )
 
 pytestmark = pytest.mark.cpu_test
@@ -80,10 +77,18 @@ def _queue_ids(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
 
 
+def _content_hash(block_id: int) -> bytes:
+    return sha256(("block", block_id))
+
+
 def _cache(pool: BlockPool, block: KVCacheBlock, group_id: int = 0) -> None:
     """Give a block a prefix-cache entry, as cache_full_blocks() does."""
-    key = make_block_hash_with_group_id(sha256(("block", block.block_id)), group_id)
+    key = make_block_hash_with_group_id(_content_hash(block.block_id), group_id)
     pool._insert_block_hash(key, block, num_tokens=None)
+
+
+def _ids(blocks: Any) -> list[int]:
+    return [b.block_id for b in blocks]
 
 
 def _full_attention(block_size: int = BLOCK_SIZE) -> FullAttentionSpec:
@@ -92,23 +97,11 @@ def _full_attention(block_size: int = BLOCK_SIZE) -> FullAttentionSpec:
     )
 
 
-def _make_manager(hybrid: bool, num_blocks: int = 32) -> KVCacheManager:
-    groups = [KVCacheGroupSpec(["full"], _full_attention())]
-    if hybrid:
-        groups.append(
-            KVCacheGroupSpec(
-                ["sliding"],
-                SlidingWindowSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                    sliding_window=2 * BLOCK_SIZE,
-                ),
-            )
-        )
+def _make_manager(num_blocks: int = 32) -> KVCacheManager:
     config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["full"], _full_attention())],
     )
     return KVCacheManager(
         config,
@@ -133,19 +126,32 @@ def test_get_block_returns_the_pools_own_block():
     null = context.get_block(0)
     assert null.is_null and null is pool.null_block
     view = context.get_block(3)
-    assert (view.ref_cnt, view.is_null, view.block_hash, view.group_id) == (
-        0,
-        False,
-        None,
-        None,
-    )
+    assert (
+        view.ref_cnt,
+        view.is_null,
+        view.block_hash,
+        view.content_hash,
+        view.group_id,
+        view.block_hash_num_tokens,
+    ) == (0, False, None, None, None, None)
 
 
 @pytest.mark.parametrize("block_id", [-1, 10, 1000, "3", 2.0, True, None])
-def test_get_block_unknown_id_raises(block_id: Any):
-    context, _ = _make_context()
+def test_unknown_block_id_raises_and_changes_nothing(block_id: Any):
+    context, pool = _make_context()
+    before = _queue_ids(pool)
     with pytest.raises(ValueError, match=r"unknown block id .*valid ids are 0\.\.9"):
         context.get_block(block_id)
+    for method in (context.touch, context.free_blocks):
+        with pytest.raises(ValueError, match=r"unknown block id"):
+            method([3, block_id])
+    if block_id is not None:  # None: scan from the front
+        with pytest.raises(ValueError, match=r"unknown block id"):
+            context.iter_free_blocks(block_id)
+    with pytest.raises(ValueError, match=r"unknown block id"):
+        context.get_block_hashes(block_id)
+    assert pool.blocks[3].ref_cnt == 0
+    assert _queue_ids(pool) == before
 
 
 def test_view_is_live_and_reports_the_stored_hash_and_group():
@@ -153,14 +159,16 @@ def test_view_is_live_and_reports_the_stored_hash_and_group():
     view = context.get_block(4)
     _cache(pool, pool.blocks[4], group_id=3)
     assert view.block_hash == pool.blocks[4].block_hash
-    assert view.block_hash is not None and view.block_hash[-4:] == b"\0\0\0\3"
+    assert view.block_hash == make_block_hash_with_group_id(_content_hash(4), 3)
+    assert view.content_hash == _content_hash(4)
     assert view.group_id == 3
     pool.evict_blocks({4})
-    assert view.block_hash is None and view.group_id is None
+    assert view.block_hash is None
+    assert view.content_hash is None and view.group_id is None
 
 
 # ---------------------------------------------------------------------------
-# touch / free_blocks: reference counting
+# touch / free_blocks: reference counting by block id
 # ---------------------------------------------------------------------------
 
 
@@ -168,112 +176,85 @@ def test_touch_takes_free_block_out_of_queue_and_free_returns_it():
     context, pool = _make_context()
     num_free = context.get_num_free_blocks()
     assert num_free == pool.get_num_free_blocks() == 9
-    block = context.get_block(5)
-    context.touch([block])
-    assert block.ref_cnt == 1
+    context.touch([5])
+    assert pool.blocks[5].ref_cnt == 1
     assert 5 not in _queue_ids(pool)
     assert context.get_num_free_blocks() == num_free - 1
     # A touched block is never handed out.
     allocated = pool.get_new_blocks(num_free - 1)
-    assert 5 not in [b.block_id for b in allocated]
+    assert 5 not in _ids(allocated)
     pool.free_blocks(allocated)
-    context.free_blocks([block])
-    assert block.ref_cnt == 0
+    context.free_blocks([5])
+    assert pool.blocks[5].ref_cnt == 0
     assert 5 in _queue_ids(pool)
     assert context.get_num_free_blocks() == num_free
 
 
 def test_touch_twice_needs_two_frees():
     context, pool = _make_context()
-    block = context.get_block(2)
-    context.touch([block, block])
-    assert block.ref_cnt == 2
-    context.free_blocks([block])
-    assert block.ref_cnt == 1 and 2 not in _queue_ids(pool)
-    context.free_blocks([block])
-    assert block.ref_cnt == 0 and 2 in _queue_ids(pool)
+    context.touch(iter([2, 2]))
+    assert pool.blocks[2].ref_cnt == 2
+    context.free_blocks([2])
+    assert pool.blocks[2].ref_cnt == 1 and 2 not in _queue_ids(pool)
+    context.free_blocks([2])
+    assert pool.blocks[2].ref_cnt == 0 and 2 in _queue_ids(pool)
 
 
 def test_free_returns_cached_blocks_to_lru_tail_and_uncached_to_front():
     context, pool = _make_context()
-    cached, uncached = context.get_block(2), context.get_block(3)
     _cache(pool, pool.blocks[2])
-    context.touch([cached, uncached])
-    context.free_blocks([cached, uncached])
+    context.touch([2, 3])
+    context.free_blocks([2, 3])
     ids = _queue_ids(pool)
     assert ids[0] == 3
     assert ids[-1] == 2
     # A cached block keeps its prefix-cache entry across touch and free.
-    assert cached.block_hash is not None
+    assert context.get_block(2).block_hash is not None
 
 
 def test_references_outlive_the_request_that_allocated_the_blocks():
-    manager = _make_manager(hybrid=False)
-    context = BlockPoolSchedulerContext(manager.block_pool, manager)
+    manager = _make_manager()
+    context = BlockPoolSchedulerContext(manager.block_pool)
     request = create_request(request_id=1, num_tokens=3 * BLOCK_SIZE)
-    manager.allocate_slots(request, 3 * BLOCK_SIZE)
-    (block_ids,) = context.get_request_block_ids(request.request_id)
+    blocks = manager.allocate_slots(request, 3 * BLOCK_SIZE)
+    assert blocks is not None
+    (block_ids,) = blocks.get_block_ids()
     assert len(block_ids) == 3
-    blocks = [context.get_block(i) for i in block_ids]
-    context.touch(blocks)
-    assert [b.ref_cnt for b in blocks] == [2, 2, 2]
+    context.touch(block_ids)
+    assert [context.get_block(i).ref_cnt for i in block_ids] == [2, 2, 2]
     manager.free(request)
-    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert [context.get_block(i).ref_cnt for i in block_ids] == [1, 1, 1]
     assert not set(block_ids) & set(_queue_ids(manager.block_pool))
-    context.free_blocks(reversed(blocks))
-    assert [b.ref_cnt for b in blocks] == [0, 0, 0]
+    context.free_blocks(reversed(block_ids))
+    assert [context.get_block(i).ref_cnt for i in block_ids] == [0, 0, 0]
     assert set(block_ids) <= set(_queue_ids(manager.block_pool))
 
 
-def test_touch_null_block_raises_and_changes_nothing():
+def test_null_block_raises_and_changes_nothing():
     context, pool = _make_context()
     before = _queue_ids(pool)
-    with pytest.raises(ValueError, match="null block"):
-        context.touch([context.get_block(4), context.get_block(0)])
-    assert context.get_block(4).ref_cnt == 0
+    with pytest.raises(ValueError, match="block 0 is the null block"):
+        context.touch([4, 0])
+    assert pool.blocks[4].ref_cnt == 0
     assert _queue_ids(pool) == before
-
-
-@pytest.mark.parametrize(
-    "foreign",
-    [
-        pytest.param(lambda: KVCacheBlock(4), id="same-id-other-object"),
-        pytest.param(
-            lambda: BlockPool(10, True, BLOCK_SIZE).blocks[4], id="other-pool"
-        ),
-        pytest.param(lambda: SimpleNamespace(block_id=4, ref_cnt=0), id="duck"),
-        pytest.param(lambda: SimpleNamespace(block_id=-1), id="negative-id"),
-        pytest.param(lambda: object(), id="no-block-id"),
-    ],
-)
-def test_foreign_blocks_raise_and_change_nothing(foreign: Any):
-    context, pool = _make_context()
-    before = _queue_ids(pool)
-    good = context.get_block(3)
-    for method in (context.touch, context.free_blocks):
-        with pytest.raises(ValueError, match="not a block of this scheduler context"):
-            method([good, foreign()])
-    with pytest.raises(ValueError, match="not a block of this scheduler context"):
-        context.iter_free_blocks(foreign())
-    assert good.ref_cnt == 0
-    assert _queue_ids(pool) == before
+    context.touch([4])
+    with pytest.raises(ValueError, match="block 0 is the null block"):
+        context.free_blocks([4, 0])
+    assert pool.blocks[4].ref_cnt == 1
 
 
 def test_free_below_zero_raises_and_changes_nothing():
     context, pool = _make_context()
-    block, other = context.get_block(6), context.get_block(7)
     with pytest.raises(ValueError, match=r"block 6 has 0 reference\(s\)"):
-        context.free_blocks([block])
-    context.touch([block, other])
+        context.free_blocks([6])
+    context.touch([6, 7])
     before = _queue_ids(pool)
     with pytest.raises(
         ValueError, match=r"block 6 has 1 reference\(s\) but is freed 2"
     ):
-        context.free_blocks([other, block, block])
-    assert (block.ref_cnt, other.ref_cnt) == (1, 1)
+        context.free_blocks([7, 6, 6])
+    assert (pool.blocks[6].ref_cnt, pool.blocks[7].ref_cnt) == (1, 1)
     assert _queue_ids(pool) == before
-    with pytest.raises(ValueError, match="null block"):
-        context.free_blocks([context.get_block(0)])
 
 
 # ---------------------------------------------------------------------------
@@ -285,25 +266,57 @@ def test_iter_free_blocks_is_eviction_order_and_resumes():
     context, pool = _make_context()
     pool.free_blocks(reversed(pool.get_new_blocks(4)))  # reorder the queue
     expected = _queue_ids(pool)
-    assert [b.block_id for b in context.iter_free_blocks()] == expected
+    assert _ids(context.iter_free_blocks()) == expected
     it = context.iter_free_blocks()
-    first = [next(it) for _ in range(3)]
-    rest = [b.block_id for b in context.iter_free_blocks(after_block=first[-1])]
-    assert [b.block_id for b in first] + rest == expected
-    last = context.get_block(expected[-1])
-    assert list(context.iter_free_blocks(after_block=last)) == []
+    first = [next(it).block_id for _ in range(3)]
+    rest = _ids(context.iter_free_blocks(after_block_id=first[-1]))
+    assert first + rest == expected
+    assert list(context.iter_free_blocks(after_block_id=expected[-1])) == []
 
 
-def test_iter_free_blocks_stale_cursor_raises_naming_block():
+def test_resume_after_a_touched_block_raises_naming_it():
     context, _ = _make_context()
-    cursor = list(context.iter_free_blocks())[2]
+    cursor = _ids(context.iter_free_blocks())[2]
     context.touch([cursor])
-    with pytest.raises(ValueError, match=rf"block {cursor.block_id} is no longer free"):
-        context.iter_free_blocks(after_block=cursor)
-    with pytest.raises(ValueError, match="block 0 is no longer free"):
-        context.iter_free_blocks(after_block=context.get_block(0))
+    with pytest.raises(ValueError, match=rf"block {cursor} has left the free queue"):
+        context.iter_free_blocks(after_block_id=cursor)
     # Restarting from the front works and skips the touched block.
-    assert cursor not in list(context.iter_free_blocks())
+    assert cursor not in _ids(context.iter_free_blocks())
+
+
+def test_resume_after_a_block_that_left_and_came_back_raises():
+    """The cursor was allocated and freed again: it is free, but at the far
+    end of the queue. Resuming after it would skip the whole queue, including
+    the blocks about to be evicted."""
+    context, pool = _make_context()
+    for block in pool.blocks[1:]:
+        _cache(pool, block)
+    cursor = _ids(context.iter_free_blocks())[0]
+    allocated = pool.get_new_blocks(1)
+    assert _ids(allocated) == [cursor]
+    _cache(pool, allocated[0])
+    pool.free_blocks(allocated)
+    assert context.get_block(cursor).ref_cnt == 0
+    assert _queue_ids(pool)[-1] == cursor
+    with pytest.raises(ValueError, match=rf"block {cursor} has left the free queue"):
+        context.iter_free_blocks(after_block_id=cursor)
+    # A prefix-cache hit (touch) and free counts the same.
+    cursor = _ids(context.iter_free_blocks())[3]
+    pool.touch([pool.blocks[cursor]])
+    pool.free_blocks([pool.blocks[cursor]])
+    with pytest.raises(ValueError, match=rf"block {cursor} has left the free queue"):
+        context.iter_free_blocks(after_block_id=cursor)
+    # A scan that reaches it again makes it a valid cursor again.
+    assert _ids(context.iter_free_blocks())[-1] == cursor
+    assert list(context.iter_free_blocks(after_block_id=cursor)) == []
+
+
+def test_resume_after_a_block_no_scan_yielded_raises():
+    context, pool = _make_context()
+    with pytest.raises(ValueError, match="block 5 has left the free queue"):
+        context.iter_free_blocks(after_block_id=5)
+    with pytest.raises(ValueError, match="block 0 has left the free queue"):
+        context.iter_free_blocks(after_block_id=0)
 
 
 def test_iter_free_blocks_empty_queue():
@@ -326,7 +339,7 @@ def test_touching_yielded_blocks_does_not_stop_iteration():
     seen = []
     for block in context.iter_free_blocks():
         seen.append(block.block_id)
-        context.touch([block])
+        context.touch([block.block_id])
     assert seen == expected
     assert context.get_num_free_blocks() == 0
 
@@ -334,24 +347,21 @@ def test_touching_yielded_blocks_does_not_stop_iteration():
 def test_touching_blocks_ahead_skips_them():
     context, pool = _make_context()
     expected = _queue_ids(pool)
+    skipped = (expected[2], expected[4], expected[-1])
     seen = []
     for block in context.iter_free_blocks():
         seen.append(block.block_id)
         if block.block_id == expected[1]:
             # The next block, one further on, and the last one of the scan.
-            context.touch(
-                [context.get_block(i) for i in (expected[2], expected[4], expected[-1])]
-            )
-    assert seen == [
-        i for i in expected if i not in (expected[2], expected[4], expected[-1])
-    ]
+            context.touch(skipped)
+    assert seen == [i for i in expected if i not in skipped]
 
 
 def test_touching_every_remaining_block_ends_the_scan():
     context, pool = _make_context()
     it = context.iter_free_blocks()
     first = next(it)
-    context.touch([b for b in pool.free_block_queue.get_all_free_blocks()])
+    context.touch(_queue_ids(pool))
     assert list(it) == []
     assert first.ref_cnt == 1
 
@@ -366,11 +376,9 @@ def test_blocks_freed_during_a_scan_are_not_yielded():
         seen.append(block.block_id)
         if len(seen) == 1:
             # Cached: to the tail, after the scan's end; uncached: to the front.
-            context.free_blocks(held)
+            context.free_blocks(_ids(held))
     assert seen == expected
-    assert [
-        b.block_id for b in context.iter_free_blocks(context.get_block(seen[-1]))
-    ] == [held[0].block_id]
+    assert _ids(context.iter_free_blocks(seen[-1])) == [held[0].block_id]
 
 
 def test_touch_and_free_of_each_yielded_block_terminates():
@@ -382,27 +390,56 @@ def test_touch_and_free_of_each_yielded_block_terminates():
     for block in context.iter_free_blocks():
         seen.append(block.block_id)
         assert len(seen) <= len(expected)
-        context.touch([block])
-        context.free_blocks([block])
+        context.touch([block.block_id])
+        context.free_blocks([block.block_id])
     assert seen == expected
     assert _queue_ids(pool) == expected
 
 
+def test_scheduler_allocating_during_a_scan_skips_those_blocks():
+    context, pool = _make_context()
+    expected = _queue_ids(pool)
+    it = context.iter_free_blocks()
+    assert next(it).block_id == expected[0]
+    # The scheduler allocates from the front: the yielded block and the next.
+    assert _ids(pool.get_new_blocks(2)) == expected[:2]
+    assert _ids(it) == expected[2:]
+
+
+def test_scheduler_taking_the_scans_last_block_never_yields_the_sentinel():
+    """0.32.0's free queue ends in a sentinel block; a scan that lost its
+    last block must stop instead of walking into it."""
+    context, pool = _make_context()
+    expected = _queue_ids(pool)
+    it = context.iter_free_blocks()
+    assert next(it).block_id == expected[0]
+    # A prefix-cache hit on the scan's last block, then everything else.
+    pool.touch([pool.blocks[expected[-1]]])
+    assert _ids(it) == expected[1:-1]
+    it = context.iter_free_blocks()
+    next(it)
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    assert list(it) == []
+    sentinel = pool.free_block_queue.fake_free_list_tail
+    assert all(b is not sentinel for b in context.iter_free_blocks())
+
+
 @pytest.mark.parametrize("seed", range(20))
-def test_iteration_under_random_touch_and_free(seed: int):
-    """Each block of the starting queue is yielded once, in order, if it has
-    not left the free queue before it is reached; nothing else is yielded."""
+def test_iteration_under_random_touch_free_and_allocation(seed: int):
+    """Each block after the start is yielded once, in order, if it has not
+    left the free queue before it is reached; nothing else is yielded.
+    Connector references and scheduler allocations interleave."""
     rng = random.Random(seed)
     context, pool = _make_context(num_blocks=40)
     held = pool.get_new_blocks(10)
     for block in pool.blocks[1::3]:
         _cache(pool, block)
-    start = rng.choice([None, *pool.free_block_queue.get_all_free_blocks()[:5]])
+    start = rng.choice([None, *_ids(context.iter_free_blocks())[:5]])
     snapshot = _queue_ids(pool)
     if start is not None:
-        snapshot = snapshot[snapshot.index(start.block_id) + 1 :]
+        snapshot = snapshot[snapshot.index(start) + 1 :]
     left: set[int] = set()
-    touched: list[KVCacheBlockView] = []
+    touched: list[int] = []
     position = 0
     for block in context.iter_free_blocks(start):
         while snapshot[position] in left:
@@ -411,34 +448,29 @@ def test_iteration_under_random_touch_and_free(seed: int):
         assert block.ref_cnt == 0
         position += 1
         for _ in range(rng.randrange(3)):
-            if rng.random() < 0.5 or not touched:
+            action = rng.random()
+            if action < 0.4 or not touched:
                 candidates = [
                     b for b in pool.blocks[1:] if b.ref_cnt == 0 or rng.random() < 0.1
                 ]
                 victim = rng.choice(candidates)
                 if victim.ref_cnt == 0:
                     left.add(victim.block_id)
-                context.touch([victim])
-                touched.append(victim)
+                context.touch([victim.block_id])
+                touched.append(victim.block_id)
+            elif action < 0.6 and pool.get_num_free_blocks():
+                allocated = pool.get_new_blocks(1)
+                left.update(_ids(allocated))
+                held.extend(allocated)
             else:
                 context.free_blocks([touched.pop(rng.randrange(len(touched)))])
         if rng.random() < 0.2 and held:
-            context.free_blocks([held.pop()])
+            pool.free_blocks([held.pop()])
     assert all(i in left for i in snapshot[position:])
     context.free_blocks(touched)
-    context.free_blocks(held)
+    pool.free_blocks(held)
     assert context.get_num_free_blocks() == 39
     assert sorted(_queue_ids(pool)) == list(range(1, 40))
-
-
-def test_iterator_invalidated_outside_the_context_raises():
-    context, pool = _make_context()
-    it = context.iter_free_blocks()
-    next(it)
-    # The scheduler allocates from the front: the yielded block and the next.
-    pool.get_new_blocks(2)
-    with pytest.raises(RuntimeError, match="left the free queue outside"):
-        next(it)
 
 
 def test_abandoned_iterators_are_forgotten():
@@ -449,43 +481,52 @@ def test_abandoned_iterators_are_forgotten():
     assert len(context._scans) == 2
     del it, never_started
     assert len(context._scans) == 0
-    context.touch([context.get_block(5)])
+    context.touch([5])
     assert context.get_block(5).ref_cnt == 1
 
 
+def test_pool_reports_to_the_context_only_once_it_scans():
+    context, pool = _make_context()
+    context.touch([3])
+    context.free_blocks([3])
+    assert pool.free_queue_observers == []
+    list(context.iter_free_blocks())
+    list(context.iter_free_blocks())
+    assert pool.free_queue_observers == [context]
+
+
 # ---------------------------------------------------------------------------
-# Request blocks and waiting requests
+# Prefix-cache lookups
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
-def test_get_request_block_ids_one_list_per_group(hybrid: bool):
-    manager = _make_manager(hybrid)
-    context = BlockPoolSchedulerContext(manager.block_pool, manager)
-    num_groups = 2 if hybrid else 1
-    assert context.get_request_block_ids("unknown") == tuple(
-        [] for _ in range(num_groups)
-    )
-    request = create_request(request_id=7, num_tokens=4 * BLOCK_SIZE)
-    manager.allocate_slots(request, 4 * BLOCK_SIZE)
-    block_ids = context.get_request_block_ids(request.request_id)
-    assert block_ids == manager.get_block_ids(request.request_id)
-    assert len(block_ids) == num_groups
-    assert all(len(ids) == 4 for ids in block_ids)
-    # The lists are the caller's own.
-    block_ids[0].clear()
-    assert context.get_request_block_ids(request.request_id)[0] != []
-    # Every group's blocks come from the one pool, with the group in the key.
-    manager.cache_blocks(request, 4 * BLOCK_SIZE)
-    for group_id, ids in enumerate(context.get_request_block_ids(request.request_id)):
-        for index, block_id in enumerate(ids):
-            view = context.get_block(block_id)
-            if view.is_null:
-                continue
-            assert view.group_id == group_id
-            assert view.block_hash == make_block_hash_with_group_id(
-                request.block_hashes[index], group_id
-            )
+def test_get_cached_block_by_content_hash_and_group():
+    context, pool = _make_context()
+    _cache(pool, pool.blocks[4], group_id=1)
+    assert context.get_cached_block(_content_hash(4), 1) is pool.blocks[4]
+    assert context.get_cached_block(_content_hash(4), 0) is None
+    assert context.get_cached_block(_content_hash(5), 1) is None
+    pool.evict_blocks({4})
+    assert context.get_cached_block(_content_hash(4), 1) is None
+
+
+def test_get_block_hashes_lists_the_primary_then_partial_entries():
+    context, pool = _make_context()
+    assert context.get_block_hashes(4) == []
+    primary = make_block_hash_with_group_id(_content_hash(4), 0)
+    partial = make_block_hash_with_group_id(sha256("partial"), 0)
+    pool._insert_block_hash(primary, pool.blocks[4], num_tokens=None)
+    pool._insert_block_hash(partial, pool.blocks[4], num_tokens=None)
+    assert context.get_block_hashes(4) == [primary, partial]
+    assert context.get_block_hashes(4)[0] == context.get_block(4).block_hash
+    assert context.get_cached_block(sha256("partial"), 0) is pool.blocks[4]
+    pool.evict_blocks({4})
+    assert context.get_block_hashes(4) == []
+
+
+# ---------------------------------------------------------------------------
+# Binding
+# ---------------------------------------------------------------------------
 
 
 def _make_scheduler(kv_connector: str = "ContextRecordingConnector") -> Any:
@@ -512,19 +553,19 @@ def test_scheduler_binds_one_context_over_its_own_state():
     requests = [create_request(request_id=i, num_tokens=20 + i) for i in range(3)]
     for request in requests:
         scheduler.add_request(request)
-    waiting = list(context.iter_waiting_requests())
-    assert [r.request_id for r in waiting] == [r.request_id for r in requests]
-    assert [r.num_prompt_tokens for r in waiting] == [20, 21, 22]
-    assert [r.num_computed_tokens for r in waiting] == [0, 0, 0]
-    assert list(waiting[0].block_hashes) == list(requests[0].block_hashes)
-
     output = scheduler.schedule()
-    assert list(context.iter_waiting_requests()) == []
-    for request in requests:
-        block_ids = context.get_request_block_ids(request.request_id)
-        assert block_ids == scheduler.kv_cache_manager.get_block_ids(request.request_id)
-        assert all(context.get_block(i).ref_cnt == 1 for i in block_ids[0])
     assert output.num_scheduled_tokens
+    for request in requests:
+        (block_ids,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        assert all(context.get_block(i).ref_cnt == 1 for i in block_ids)
+    # The scheduler's own allocations keep a connector's cursor exact: it
+    # allocates the new request's blocks from the front of the free queue.
+    cursor = next(context.iter_free_blocks()).block_id
+    scheduler.add_request(create_request(request_id=9, num_tokens=20))
+    scheduler.schedule()
+    assert context.get_block(cursor).ref_cnt == 1
+    with pytest.raises(ValueError, match=f"block {cursor} has left"):
+        context.iter_free_blocks(cursor)
 
 
 def test_multi_connector_forwards_the_context():
@@ -555,7 +596,7 @@ class LegacyPoolConnector(MockKVConnector):
 def test_bind_gpu_block_pool_still_called_with_one_deprecation_warning(
     caplog_vllm: pytest.LogCaptureFixture,
 ):
-    manager = _make_manager(hybrid=False)
+    manager = _make_manager()
     connectors = [object.__new__(LegacyPoolConnector) for _ in range(2)]
     for connector in connectors:
         connector.bind_kv_cache_manager(manager)
@@ -573,7 +614,7 @@ def test_bind_gpu_block_pool_still_called_with_one_deprecation_warning(
 def test_connectors_without_override_get_no_warning(
     caplog_vllm: pytest.LogCaptureFixture,
 ):
-    manager = _make_manager(hybrid=False)
+    manager = _make_manager()
     connector = object.__new__(ContextRecordingConnector)
     connector.bind_kv_cache_manager(manager)
     assert not [

@@ -1,28 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What a KV connector may see and do on the scheduler, behind protocols.
+"""What a KV connector may see and do on the scheduler's KV cache.
 
-The scheduler builds one SchedulerContext after its KV cache manager and hands
-it to KVConnectorBase_V1.bind_scheduler_context() once. Connectors program
-against the protocols below only; no signature names a vLLM-internal type, so
-the block pool and the scheduler can change without breaking connectors.
+The scheduler builds one SchedulerContext over its block pool and hands it to
+KVConnectorBase_V1.bind_scheduler_context() once. Connectors name blocks by
+id, as block tables and KVCacheBlocks.get_block_ids() do, and read them
+through KVCacheBlockView; no signature names a vLLM-internal type, so the
+block pool can change without breaking connectors.
 
-BlockPoolSchedulerContext is vLLM's implementation over the real BlockPool,
-KVCacheManager and waiting queues. It hands out vLLM's own KVCacheBlock and
-Request objects, which satisfy the view protocols structurally: no wrapper
-objects on the hot path. The contract (lifetimes, reference counting,
-iteration) is written down in docs/design/kv_connector_scheduler_context.md.
+BlockPoolSchedulerContext is vLLM's implementation over the real BlockPool. It
+hands out vLLM's own KVCacheBlock objects, which satisfy KVCacheBlockView
+structurally: no wrapper objects on the hot path. The contract (lifetimes,
+reference counting, iteration) is written down in
+docs/design/kv_connector_scheduler_context.md.
 """
 
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
 if TYPE_CHECKING:
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.block_pool import BlockPool, FreeQueueObserver
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.request import Request
 
 
 class KVCacheBlockView(Protocol):
@@ -51,8 +52,14 @@ class KVCacheBlockView(Protocol):
 
     @property
     def block_hash(self) -> bytes | None:
-        """The prefix-cache key as stored (block hash and KV cache group);
-        None when the block is not cached."""
+        """The block's prefix-cache key as stored (content hash and KV cache
+        group); None when the block is not cached."""
+        ...
+
+    @property
+    def content_hash(self) -> bytes | None:
+        """block_hash without the KV cache group, as in
+        Request.block_hashes; None when the block is not cached."""
         ...
 
     @property
@@ -60,25 +67,10 @@ class KVCacheBlockView(Protocol):
         """The KV cache group of block_hash; None when not cached."""
         ...
 
-
-class WaitingRequestView(Protocol):
-    """Read-only view of a request waiting to be scheduled."""
-
     @property
-    def request_id(self) -> str: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens already computed (e.g. before a preemption)."""
-        ...
-
-    @property
-    def block_hashes(self) -> Sequence[bytes]:
-        """Hashes of the request's full blocks of hash_block_size tokens,
-        without KV cache group, as prefix caching computes them."""
+    def block_hash_num_tokens(self) -> int | None:
+        """Prefix tokens block_hash covers when that is not the block
+        boundary (a partial-block entry); None otherwise."""
         ...
 
 
@@ -89,52 +81,56 @@ class SchedulerContext(Protocol):
     thread, inside a connector callback (bind_scheduler_context() and later
     scheduler-side methods); none may be called from a worker.
 
-    Reference counting: touch() takes one reference per block, free_blocks()
-    drops one. A block with references is never allocated to a request or
-    evicted. A connector must drop every reference it took (for example
-    when its transfer finished or the request was aborted).
+    Blocks are named by id. Reference counting: touch() takes one reference
+    per id, free_blocks() drops one. A block with references is never
+    allocated to a request or evicted. A connector must drop every reference
+    it took (for example when its transfer finished or the request was
+    aborted).
     """
 
     def get_block(self, block_id: int) -> KVCacheBlockView:
         """The block with this id. Raises ValueError for an unknown id."""
         ...
 
-    def touch(self, blocks: Iterable[KVCacheBlockView]) -> None:
-        """Take one reference on each block (a block listed twice gets two).
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one reference on each block (an id listed twice gets two).
 
         A free block leaves the free queue: it is not evicted and keeps its
-        prefix-cache entry. Raises ValueError, and changes nothing, if a
-        block is the null block or not one of this context's blocks.
+        prefix-cache entry. Raises ValueError, and changes nothing, for the
+        null block or an unknown id.
         """
         ...
 
-    def free_blocks(self, blocks: Iterable[KVCacheBlockView]) -> None:
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in eviction priority order.
 
         A block left without references returns to the free queue: cached
         blocks at the most recently used end (evicted last, in the order
         given), uncached ones at the front. Raises ValueError, and changes
-        nothing, for the null block, a foreign block, or more frees than the
+        nothing, for the null block, an unknown id, or more frees than the
         block has references.
         """
         ...
 
     def iter_free_blocks(
-        self, after_block: KVCacheBlockView | None = None
+        self, after_block_id: int | None = None
     ) -> Iterator[KVCacheBlockView]:
         """Free blocks in eviction order (next to be evicted first).
 
-        Starts at the front of the free queue, or right after after_block,
-        which must still be free (a previously yielded block, to resume a
-        scan in O(1)); if it has left the free queue, ValueError names it and
-        the caller restarts with None.
+        Starts at the front of the free queue, or right after
+        after_block_id in O(1), which must be a block a scan of this
+        context yielded and that has not left the free queue since, not even
+        briefly (a block that is allocated or touched and freed again is no
+        longer where the scan saw it). Otherwise the call itself raises
+        ValueError naming it, and the caller restarts from the front
+        (after_block_id=None).
 
-        The scan covers the blocks that were in the free queue when it
-        started; each is yielded only if still free when reached. touch()
-        and free_blocks() through this context while iterating neither stop
-        nor corrupt the scan. Blocks that become free during the scan are
-        not yielded (resume later to see them). The iterator is only valid
-        within the connector call that created it.
+        The scan covers the blocks that were in the free queue, after the
+        start, when it started; each is yielded at most once, and only if it
+        is still free when reached. The scheduler and touch()/free_blocks()
+        may run between two steps of the scan: blocks that leave the free
+        queue are skipped, blocks that enter it are not yielded (resume
+        later to see them).
         """
         ...
 
@@ -142,21 +138,23 @@ class SchedulerContext(Protocol):
         """Blocks in the free queue (allocatable, possibly cached)."""
         ...
 
-    def get_request_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block ids, one new list per KV cache group; empty
-        lists for a request that holds no blocks."""
+    def get_cached_block(
+        self, content_hash: bytes, group_id: int
+    ) -> KVCacheBlockView | None:
+        """The block the prefix cache holds under this content hash (as in
+        Request.block_hashes) for KV cache group group_id; None on a miss."""
         ...
 
-    def iter_waiting_requests(self) -> Iterator[WaitingRequestView]:
-        """Requests waiting to be scheduled, in the order the scheduler
-        considers them. Do not schedule, free or change the queues while
-        iterating."""
+    def get_block_hashes(self, block_id: int) -> list[bytes]:
+        """Every prefix-cache key the block is registered under: its
+        block_hash first, then the keys of partial-block hits it also
+        serves. Empty when the block is not cached."""
         ...
 
 
 class _FreeQueueScan:
-    """Position of one iter_free_blocks() scan: the next block to yield and
-    the last block the scan covers. touch() keeps both in the free queue."""
+    """Remaining range of one iter_free_blocks() scan: the next block to
+    yield and the last block the scan covers, both in the free queue."""
 
     __slots__ = ("next_block", "last_block", "__weakref__")
 
@@ -166,100 +164,88 @@ class _FreeQueueScan:
         self.next_block = next_block
         self.last_block = last_block
 
-    def on_leave(self, block: "KVCacheBlock") -> None:
-        """Called right before block leaves the free queue."""
-        if block is self.next_block:
-            self.next_block = (
-                None if block is self.last_block else block.next_free_block
-            )
-        if block is self.last_block and self.next_block is not None:
-            prev_block = block.prev_free_block
+    def before_leave(self, leaving_ids: set[int]) -> None:
+        """Blocks with these ids are about to leave the free queue; the
+        queue's links are still intact."""
+        block = self.next_block
+        while block is not None and block.block_id in leaving_ids:
+            block = None if block is self.last_block else block.next_free_block
+        self.next_block = block
+        if block is None:
+            return
+        # The walk back stops at next_block at the latest: it stays.
+        last_block = self.last_block
+        while last_block.block_id in leaving_ids:
+            prev_block = last_block.prev_free_block
             assert prev_block is not None
-            self.last_block = prev_block
+            last_block = prev_block
+        self.last_block = last_block
+
+    def after_popleft(self, free_list_head: "KVCacheBlock") -> None:
+        """Blocks were just taken from the front of the free queue."""
+        block = self.next_block
+        if block is None or block.prev_free_block is not None:
+            return
+        # Everything up to next_block left; the rest of the range follows
+        # the new front, unless last_block left too.
+        if self.last_block.prev_free_block is None:
+            self.next_block = None
+        else:
+            self.next_block = free_list_head.next_free_block
 
 
 class BlockPoolSchedulerContext:
-    """SchedulerContext over the scheduler's BlockPool, KVCacheManager and
-    waiting queues.
+    """SchedulerContext over the scheduler's BlockPool.
 
     Args:
         block_pool: the pool whose blocks connectors see.
-        kv_cache_manager: answers get_request_block_ids(); without it every
-            request holds no blocks.
-        waiting_queues: the scheduler's waiting queues, in the order it
-            drains them.
 
     """
 
-    def __init__(
-        self,
-        block_pool: "BlockPool",
-        kv_cache_manager: "KVCacheManager | None" = None,
-        waiting_queues: Sequence[Iterable["Request"]] = (),
-    ) -> None:
+    def __init__(self, block_pool: "BlockPool") -> None:
         self.block_pool = block_pool
         self._blocks = block_pool.blocks
         self._free_queue = block_pool.free_block_queue
-        self._kv_cache_manager = kv_cache_manager
-        self._num_groups = (
-            len(kv_cache_manager.kv_cache_config.kv_cache_groups)
-            if kv_cache_manager is not None
-            else 1
-        )
-        self._waiting_queues = tuple(waiting_queues)
+        # Blocks a scan yielded that have not left the free queue since: the
+        # only valid resume points.
+        self._resumable: set[int] = set()
         self._scans: weakref.WeakSet[_FreeQueueScan] = weakref.WeakSet()
+        self._observing = False
 
-    def _own_block(self, block: KVCacheBlockView, what: str) -> "KVCacheBlock":
-        block_id = getattr(block, "block_id", None)
-        if (
-            isinstance(block_id, int)
-            and 0 <= block_id < len(self._blocks)
-            and self._blocks[block_id] is block
-        ):
-            return self._blocks[block_id]
-        raise ValueError(
-            f"{what}: {block!r} is not a block of this scheduler context; pass "
-            "blocks obtained from get_block() or iter_free_blocks()"
-        )
-
-    def get_block(self, block_id: int) -> KVCacheBlockView:
+    def _lookup(self, block_id: int, what: str) -> "KVCacheBlock":
         if (
             not isinstance(block_id, int)
             or isinstance(block_id, bool)
             or not 0 <= block_id < len(self._blocks)
         ):
             raise ValueError(
-                f"get_block: unknown block id {block_id!r}; valid ids are "
+                f"{what}: unknown block id {block_id!r}; valid ids are "
                 f"0..{len(self._blocks) - 1}"
             )
         return self._blocks[block_id]
 
-    def touch(self, blocks: Iterable[KVCacheBlockView]) -> None:
-        own = [self._own_block(b, "touch") for b in blocks]
-        for block in own:
+    def _lookup_referenceable(
+        self, block_ids: Iterable[int], what: str
+    ) -> list["KVCacheBlock"]:
+        blocks = [self._lookup(block_id, what) for block_id in block_ids]
+        for block in blocks:
             if block.is_null:
                 raise ValueError(
-                    "touch: block 0 is the null block, which holds no KV and "
-                    "cannot be referenced"
+                    f"{what}: block {block.block_id} is the null block, which "
+                    "holds no KV and is never referenced"
                 )
-        if not self._scans:
-            self.block_pool.touch(own)
-            return
-        scans = list(self._scans)
-        for block in own:
-            if block.ref_cnt == 0:
-                for scan in scans:
-                    scan.on_leave(block)
-            self.block_pool.touch([block])
+        return blocks
 
-    def free_blocks(self, blocks: Iterable[KVCacheBlockView]) -> None:
-        own = [self._own_block(b, "free_blocks") for b in blocks]
+    def get_block(self, block_id: int) -> KVCacheBlockView:
+        return self._lookup(block_id, "get_block")
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        self.block_pool.touch(self._lookup_referenceable(block_ids, "touch"))
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        blocks = self._lookup_referenceable(block_ids, "free_blocks")
         num_frees: dict[int, int] = {}
-        for block in own:
-            if block.is_null:
-                raise ValueError(
-                    "free_blocks: block 0 is the null block, which is never referenced"
-                )
+        for block in blocks:
             num_frees[block.block_id] = num_frees.get(block.block_id, 0) + 1
         for block_id, count in num_frees.items():
             ref_cnt = self._blocks[block_id].ref_cnt
@@ -269,27 +255,32 @@ class BlockPoolSchedulerContext:
                     f"but is freed {count} time(s); free only blocks you "
                     "touched, once per touch"
                 )
-        self.block_pool.free_blocks(own)
+        self.block_pool.free_blocks(blocks)
 
     def iter_free_blocks(
-        self, after_block: KVCacheBlockView | None = None
+        self, after_block_id: int | None = None
     ) -> Iterator[KVCacheBlockView]:
+        if not self._observing:
+            # From the first scan on, the pool reports blocks leaving the
+            # free queue; connectors that never scan cost it nothing.
+            observer: FreeQueueObserver = self
+            self.block_pool.free_queue_observers.append(observer)
+            self._observing = True
         queue = self._free_queue
-        if after_block is None:
+        if after_block_id is None:
             start = queue.fake_free_list_head
         else:
-            start = self._own_block(after_block, "iter_free_blocks")
-            if start.prev_free_block is None:
+            start = self._lookup(after_block_id, "iter_free_blocks")
+            if after_block_id not in self._resumable:
                 raise ValueError(
-                    f"iter_free_blocks: block {start.block_id} is no longer "
-                    f"free (ref_cnt={start.ref_cnt}), so the scan cannot "
-                    "resume after it; restart with after_block=None"
+                    f"iter_free_blocks: block {after_block_id} has left the "
+                    "free queue since a scan yielded it (or no scan did), so "
+                    "the scan cannot resume after it; restart with "
+                    "after_block_id=None"
                 )
         last_block = queue.fake_free_list_tail.prev_free_block
         assert last_block is not None
-        next_block = start.next_free_block
-        if start is last_block or next_block is queue.fake_free_list_tail:
-            next_block = None
+        next_block = None if start is last_block else start.next_free_block
         scan = _FreeQueueScan(next_block, last_block)
         self._scans.add(scan)
         return self._scan(scan)
@@ -297,36 +288,53 @@ class BlockPoolSchedulerContext:
     def _scan(self, scan: _FreeQueueScan) -> Iterator[KVCacheBlockView]:
         try:
             while (block := scan.next_block) is not None:
-                if block.prev_free_block is None or block.ref_cnt != 0:
-                    raise RuntimeError(
-                        f"iter_free_blocks: block {block.block_id} left the "
-                        "free queue outside this scheduler context while "
-                        "iterating; iterate within one connector call and "
-                        "resume with after_block"
-                    )
                 scan.next_block = (
                     None if block is scan.last_block else block.next_free_block
                 )
+                self._resumable.add(block.block_id)
                 yield block
         finally:
             self._scans.discard(scan)
 
+    def before_touch(self, blocks: Sequence["KVCacheBlock"]) -> None:
+        """FreeQueueObserver: the free ones among blocks are about to leave
+        the free queue."""
+        leaving_ids = {block.block_id for block in blocks}
+        self._resumable -= leaving_ids
+        for scan in list(self._scans):
+            scan.before_leave(leaving_ids)
+
+    def after_popleft(self, blocks: Sequence["KVCacheBlock"]) -> None:
+        """FreeQueueObserver: blocks were just taken from the front of the
+        free queue."""
+        if self._resumable:
+            self._resumable.difference_update(block.block_id for block in blocks)
+        for scan in list(self._scans):
+            scan.after_popleft(self._free_queue.fake_free_list_head)
+
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def get_request_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        if self._kv_cache_manager is None:
-            return tuple([] for _ in range(self._num_groups))
-        return self._kv_cache_manager.get_block_ids(request_id)
+    def get_cached_block(
+        self, content_hash: bytes, group_id: int
+    ) -> KVCacheBlockView | None:
+        return self.block_pool.cached_block_hash_to_block.get_one_block(
+            make_block_hash_with_group_id(BlockHash(content_hash), group_id)
+        )
 
-    def iter_waiting_requests(self) -> Iterator[WaitingRequestView]:
-        for queue in self._waiting_queues:
-            yield from queue
+    def get_block_hashes(self, block_id: int) -> list[bytes]:
+        block = self._lookup(block_id, "get_block_hashes")
+        if block.block_hash is None:
+            return []
+        return [
+            block.block_hash,
+            *self.block_pool.cached_block_hashes_by_block.get(block_id, ()),
+        ]
 
 
 if TYPE_CHECKING:
-    # vLLM's own objects satisfy the views; mypy checks it here.
+    # vLLM's own objects satisfy the protocols; mypy checks it here.
     def _check_structural_types(
-        block: "KVCacheBlock", request: "Request", context: BlockPoolSchedulerContext
-    ) -> tuple[KVCacheBlockView, WaitingRequestView, SchedulerContext]:
-        return block, request, context
+        block: "KVCacheBlock", context: BlockPoolSchedulerContext
+    ) -> tuple[KVCacheBlockView, SchedulerContext, "FreeQueueObserver"]:
+        return block, context, context
