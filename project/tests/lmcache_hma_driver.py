@@ -1,16 +1,26 @@
-"""Build the patched LMCacheConnectorV1 on the real ``lmcache`` adapter; print JSON.
+"""The patched LMCacheConnectorV1 on the real ``lmcache`` adapter; prints JSON.
 
-Run with the python of build/venv-lmcache (see project/ci/venv-lmcache):
-``python lmcache_hma_driver.py MODEL_DIR``. Prints one line starting with
-``RESULT ``: the installed versions, the hybrid KV cache manager decision, and
-per case the group the connector selected (or the error it raised), how many
-times LMCache's adapter was built and the block ids its ``request_finished``
-received.
+Run with the python of build/venv-lmcache (``./wb venv --lmcache``):
+
+``python lmcache_hma_driver.py connector MODEL_DIR``
+    builds the connector (scheduler role) on LMCache's own adapter and prints
+    ``RESULT {...}``: the installed versions, the hybrid KV cache manager
+    decision with the warnings logged for it, and per case the groups the
+    connector forwards and reports restored (or the error it raised), how many
+    times the adapter was built and the block ids its ``request_finished``
+    received.
+
+``python lmcache_hma_driver.py serve MODEL_DIR``
+    starts an engine on MODEL_DIR with ``LMCacheConnectorV1`` and the
+    unmodified adapter, generates once and prints ``RESULT {...}``: the hybrid
+    KV cache manager decision, the model's layer types and the generated token
+    ids (the warnings are in the engine's log).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from importlib import metadata
 from typing import Any
@@ -18,7 +28,24 @@ from typing import Any
 BLOCK_SIZE = 128  # the CPU block size
 
 
-def main() -> None:
+class _Warnings(logging.Handler):
+    """Collects the warnings vLLM logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _collect_warnings() -> _Warnings:
+    handler = _Warnings()
+    logging.getLogger("vllm").addHandler(handler)
+    return handler
+
+
+def connector_cases(model: str) -> dict[str, Any]:
     import torch
     from lmcache.integration.vllm import vllm_v1_adapter
     from vllm.config import (
@@ -61,11 +88,21 @@ def main() -> None:
             finished.append(list(block_ids))
             return super().request_finished(request, block_ids)
 
-    class HybridDeclaringImpl(CountingImpl):
-        """The real adapter, declaring that it follows the connector's group
-        (what an LMCache release with hybrid support declares)."""
+    class SelectingImpl(CountingImpl):
+        """The real adapter declaring the group it selects, the full attention
+        one (what an LMCache release with hybrid support declares)."""
 
-        kv_cache_group_id: int | None = None
+        def __init__(self, vllm_config: Any, role: Any, parent: Any) -> None:
+            self._parent = parent
+            super().__init__(vllm_config, role, parent)
+
+        def get_kv_cache_group_ids(self) -> tuple[int, ...]:
+            groups = self._parent.kv_cache_config.kv_cache_groups
+            return next(
+                (i,)
+                for i, group in enumerate(groups)
+                if isinstance(group.kv_cache_spec, FullAttentionSpec)
+            )
 
     full = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32
@@ -88,15 +125,32 @@ def main() -> None:
             ],
         )
 
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=sys.argv[1], max_model_len=1024),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheConnectorV1", kv_role="kv_both"
-        ),
-    )
-    assert vllm_config.kv_transfer_config is not None
+    def make_vllm_config() -> VllmConfig:
+        return VllmConfig(
+            model_config=ModelConfig(model=model, max_model_len=1024),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="LMCacheConnectorV1", kv_role="kv_both"
+            ),
+        )
+
+    def decide(impl: type) -> dict[str, Any]:
+        vllm_v1_adapter.LMCacheConnectorV1Impl = impl
+        warnings = _collect_warnings()
+        vllm_config = make_vllm_config()
+        logging.getLogger("vllm").removeHandler(warnings)
+        assert vllm_config.kv_transfer_config is not None
+        return {
+            "supports_hma_config": KVConnectorFactory.supports_hma_config(
+                vllm_config.kv_transfer_config
+            ),
+            "disable_hybrid_kv_cache_manager": (
+                vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+            ),
+            "warnings": warnings.messages,
+            "adapters_built": len(built),
+        }
 
     class FinishedRequest:
         request_id = "req-0"
@@ -110,14 +164,16 @@ def main() -> None:
         case: dict[str, Any] = {}
         try:
             connector = LMCacheConnectorV1(
-                vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config(*specs)
+                make_vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config(*specs)
             )
         except ValueError as e:
             case["error"] = str(e)
         else:
-            case["kv_cache_group_id"] = connector.kv_cache_group_id
             case["kv_cache_config_public"] = (
                 connector.kv_cache_config is connector._kv_cache_config
+            )
+            case["loaded_group_ids"] = list(
+                connector.get_loaded_kv_cache_group_ids(FinishedRequest())
             )
             block_ids = tuple([10 * g + 1, 10 * g + 2] for g in range(len(specs)))
             case["finished_result"] = connector.request_finished_all_groups(
@@ -127,36 +183,49 @@ def main() -> None:
         case["finished_block_ids"] = list(finished)
         return case
 
-    def build_unwrapped(impl: type, specs: tuple[KVCacheSpec, ...]) -> dict[str, Any]:
-        """build() on the adapter class itself, its __init__ counted in place."""
-        real_init = impl.__init__
-
-        def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
-            real_init(self, *args, **kwargs)
-            built.append(self)
-
-        impl.__init__ = counting_init
-        try:
-            return build(impl, specs)
-        finally:
-            impl.__init__ = real_init
-
-    result = {
+    return {
         "lmcache": metadata.version("lmcache"),
         "vllm": metadata.version("vllm"),
         "adapter": f"{real_impl.__module__}.{real_impl.__qualname__}",
         "supports_hma": supports_hma(LMCacheConnectorV1),
-        "supports_hma_config": KVConnectorFactory.supports_hma_config(
-            vllm_config.kv_transfer_config
+        "real_adapter_decision": decide(real_impl),
+        "selecting_adapter_decision": decide(SelectingImpl),
+        "single_group": build(CountingImpl, (full,)),
+        "hybrid_selecting_adapter": build(SelectingImpl, (sliding, full)),
+    }
+
+
+def serve(model: str) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(
+        model=model,
+        max_model_len=1024,
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMCacheConnectorV1", kv_role="kv_both"
         ),
+        # On CPU the share of host memory the engine reserves; the model is tiny.
+        gpu_memory_utilization=0.1,
+    )
+    vllm_config = llm.llm_engine.vllm_config
+    [output] = llm.generate(
+        ["The quick brown fox jumps over the lazy dog."],
+        SamplingParams(temperature=0.0, max_tokens=8),
+    )
+    return {
+        "layer_types": getattr(vllm_config.model_config.hf_config, "layer_types", None),
         "disable_hybrid_kv_cache_manager": (
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         ),
-        "single_group": build(CountingImpl, (full,)),
-        "single_group_plain_adapter": build_unwrapped(real_impl, (full,)),
-        "hybrid_real_adapter": build_unwrapped(real_impl, (sliding, full)),
-        "hybrid_declaring_adapter": build(HybridDeclaringImpl, (sliding, full)),
+        "token_ids": list(output.outputs[0].token_ids),
     }
+
+
+def main() -> None:
+    mode, model = sys.argv[1:3]
+    result = connector_cases(model) if mode == "connector" else serve(model)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -3,17 +3,19 @@
 ``lmcache`` 0.5.6 downgrades numpy, protobuf, opentelemetry and grpcio, so it
 lives in its own environment, build/venv-lmcache (the patched vLLM plus
 ``lmcache==0.5.6``), made by ``./wb venv --lmcache``. This test runs
-lmcache_hma_driver.py there and checks, with LMCache's own adapter:
+lmcache_hma_driver.py there and checks, with LMCache's own adapter (which
+handles one KV cache group and declares no groups):
 
-* VllmConfig keeps the hybrid KV cache manager on for LMCacheConnectorV1;
-* one KV cache group: the connector is built on the real adapter, selects
-  group 0 and forwards its block ids to the adapter's ``request_finished``;
-* full attention + sliding window with 0.5.6's adapter, which reads group 0's
-  block ids for every layer: refused with an error naming the fix, before the
-  adapter is built (no LMCache service started);
-* the same hybrid config with the real adapter declaring ``kv_cache_group_id``
-  (as a release with hybrid support does): built, the full attention group
-  selected and its block ids forwarded.
+* today's users are not broken: VllmConfig turns the hybrid KV cache manager
+  off for it with vLLM's warning plus the line naming what keeps it on, and
+  nothing raises; an engine serves the demo Llama, and serves the same model
+  made hybrid (a sliding-window layer and a full attention layer);
+* the connector is built on it for one group, reports group 0 restored and
+  forwards group 0's block ids to its ``request_finished``;
+* the real adapter subclassed only to declare the group it selects (as a
+  release with hybrid support does): the hybrid KV cache manager stays on, and
+  with full attention + sliding window the connector forwards the full
+  attention group's block ids and reports that group restored.
 
 Without build/venv-lmcache the test is skipped, or fails when
 KVLC_REQUIRE_E2E=1 (CI).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -35,20 +38,20 @@ PYTHON = VENV / "bin" / "python"
 RECIPE = "./wb venv --lmcache"
 HERE = Path(__file__).resolve().parent
 DEMO = REPO / "project" / "demo"
+TURNED_OFF = "Turning off hybrid kv cache manager"
+KEEPS_ON = (
+    "The LMCache adapter lmcache.integration.vllm.vllm_v1_adapter."
+    "LMCacheConnectorV1Impl handles a single KV cache group. An LMCache release "
+    "whose vLLM adapter defines get_kv_cache_group_ids() keeps the hybrid KV "
+    "cache manager on."
+)
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not PYTHON.exists():
-        reason = f"{VENV.relative_to(REPO)} is missing: create it with {RECIPE}"
-        if os.environ.get("KVLC_REQUIRE_E2E") == "1":
-            pytest.fail(f"{reason} (KVLC_REQUIRE_E2E=1)")
-        pytest.skip(reason)
-    model = tmp_path_factory.mktemp("model")
-    subprocess.run([str(PYTHON), str(DEMO / "make_model.py"), str(model)], check=True)
+def _driver(mode: str, model: Path) -> tuple[dict[str, Any], str]:
+    """The driver's RESULT and its log."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
     proc = subprocess.run(
-        [str(PYTHON), str(HERE / "lmcache_hma_driver.py"), str(model)],
+        [str(PYTHON), str(HERE / "lmcache_hma_driver.py"), mode, str(model)],
         env=env,
         capture_output=True,
         text=True,
@@ -57,7 +60,39 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return dict(json.loads(line.removeprefix("RESULT ")))
+    return dict(json.loads(line.removeprefix("RESULT "))), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not PYTHON.exists():
+        reason = f"{VENV.relative_to(REPO)} is missing: create it with {RECIPE}"
+        if os.environ.get("KVLC_REQUIRE_E2E") == "1":
+            pytest.fail(f"{reason} (KVLC_REQUIRE_E2E=1)")
+        pytest.skip(reason)
+    model = tmp_path_factory.mktemp("model")
+    subprocess.run([str(PYTHON), str(DEMO / "make_model.py"), str(model)], check=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo Llama with its first layer sliding-window: two KV cache groups
+    under the hybrid KV cache manager."""
+    hybrid = tmp_path_factory.mktemp("hybrid") / "model"
+    shutil.copytree(model, hybrid)
+    config_path = hybrid / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=128
+    )
+    config_path.write_text(json.dumps(config))
+    return hybrid
+
+
+@pytest.fixture(scope="module")
+def result(model: Path) -> dict[str, Any]:
+    return _driver("connector", model)[0]
 
 
 def test_real_lmcache_and_patched_vllm(result: dict[str, Any]) -> None:
@@ -66,51 +101,56 @@ def test_real_lmcache_and_patched_vllm(result: dict[str, Any]) -> None:
     assert result["adapter"] == (
         "lmcache.integration.vllm.vllm_v1_adapter.LMCacheConnectorV1Impl"
     )
-
-
-def test_hybrid_allocator_stays_on(result: dict[str, Any]) -> None:
     assert result["supports_hma"] is True
-    assert result["supports_hma_config"] is True
-    assert result["disable_hybrid_kv_cache_manager"] is False
+
+
+def test_real_adapter_turns_hybrid_manager_off_without_error(
+    result: dict[str, Any],
+) -> None:
+    decision = result["real_adapter_decision"]
+    assert decision["supports_hma_config"] is False
+    assert decision["disable_hybrid_kv_cache_manager"] is True
+    assert any(TURNED_OFF in w for w in decision["warnings"])
+    assert KEEPS_ON in decision["warnings"]
+    assert decision["adapters_built"] == 0
+
+
+def test_declaring_adapter_keeps_hybrid_manager_on(result: dict[str, Any]) -> None:
+    decision = result["selecting_adapter_decision"]
+    assert decision["supports_hma_config"] is True
+    assert decision["disable_hybrid_kv_cache_manager"] is False
+    assert not any(TURNED_OFF in w for w in decision["warnings"])
 
 
 def test_single_group_on_real_adapter(result: dict[str, Any]) -> None:
     case = result["single_group"]
     assert "error" not in case, case.get("error")
     assert case["adapters_built"] == 1
-    assert case["kv_cache_group_id"] == 0
     assert case["kv_cache_config_public"] is True
+    assert case["loaded_group_ids"] == [0]
     assert case["finished_block_ids"] == [[1, 2]]
     assert case["finished_result"][0] is False
 
 
-def test_single_group_on_unmodified_adapter_class(result: dict[str, Any]) -> None:
-    case = result["single_group_plain_adapter"]
-    assert "error" not in case, case.get("error")
-    assert case["adapters_built"] == 1
-    assert case["kv_cache_group_id"] == 0
-    assert case["finished_result"][0] is False
-
-
-def test_hybrid_config_refused_for_single_group_adapter(
+def test_hybrid_config_forwards_the_adapter_selected_group(
     result: dict[str, Any],
 ) -> None:
-    case = result["hybrid_real_adapter"]
-    assert case["adapters_built"] == 0
-    assert (
-        "The LMCache adapter lmcache.integration.vllm.vllm_v1_adapter."
-        "LMCacheConnectorV1Impl handles a single KV cache group"
-    ) in case["error"]
-    assert (
-        "0: sliding_window (1 layers), 1: full_attention (1 layers)" in (case["error"])
-    )
-    assert "--disable-hybrid-kv-cache-manager" in case["error"]
-
-
-def test_hybrid_config_selects_full_attention(result: dict[str, Any]) -> None:
-    case = result["hybrid_declaring_adapter"]
+    case = result["hybrid_selecting_adapter"]
     assert "error" not in case, case.get("error")
     assert case["adapters_built"] == 1
-    assert case["kv_cache_group_id"] == 1
+    assert case["loaded_group_ids"] == [1]
     assert case["finished_block_ids"] == [[11, 12]]
     assert case["finished_result"][0] is False
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "hybrid-llama"])
+def test_engine_serves_with_real_adapter(
+    model: Path, hybrid_model: Path, hybrid: bool
+) -> None:
+    served, log = _driver("serve", hybrid_model if hybrid else model)
+    assert served["disable_hybrid_kv_cache_manager"] is True
+    assert TURNED_OFF in log
+    assert KEEPS_ON in log
+    assert len(served["token_ids"]) == 8
+    if hybrid:
+        assert served["layer_types"] == ["sliding_attention", "full_attention"]
