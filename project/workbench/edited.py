@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.stack import Stack, split_patch
+from workbench.stack import Stack, parse_reasoned, split_patch
 
 EDITED = "edited-tests"
 
@@ -37,43 +37,30 @@ class EditedTest:
     line: int
 
 
+def _bad_edited_line(line: str) -> str | None:
+    if (
+        not line.startswith("tests/")
+        or "::" in line
+        or ".." in Path(line).parts
+        or any(c.isspace() for c in line)
+    ):
+        return (
+            f"{line!r} is not a file under tests/; "
+            "write one path a line, e.g. tests/v1/core/test_scheduler.py "
+            "(a test the entry removes goes in retired-tests as well)"
+        )
+    return None
+
+
 def parse_edited(name: str, text: str) -> tuple[EditedTest, ...]:
     """The paths of an entry's ``edited-tests``, each with its ``#`` reason."""
     where = f"patches/{name}/{EDITED}"
-    edited: list[EditedTest] = []
-    reason: list[str] = []
-    after_paths = False
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            reason, after_paths = [], False
-            continue
-        if line.startswith("#"):
-            if after_paths:
-                reason, after_paths = [], False
-            reason.append(line[1:].strip())
-            continue
-        if (
-            not line.startswith("tests/")
-            or "::" in line
-            or ".." in Path(line).parts
-            or any(c.isspace() for c in line)
-        ):
-            raise WorkbenchError(
-                f"{where} line {lineno}: {line!r} is not a file under tests/; "
-                "write one path a line, e.g. tests/v1/core/test_scheduler.py "
-                "(a test the entry removes goes in retired-tests as well)"
-            )
-        if not " ".join(reason).strip():
-            raise WorkbenchError(
-                f"{where} line {lineno}: {line} has no reason; put '# why the "
-                "entry edits it' lines right above it"
-            )
-        if any(t.path == line for t in edited):
-            raise WorkbenchError(f"{where} line {lineno}: {line} is listed twice")
-        edited.append(EditedTest(line, " ".join(reason).strip(), lineno))
-        after_paths = True
-    return tuple(edited)
+    return tuple(
+        EditedTest(path, reason, lineno)
+        for path, reason, lineno in parse_reasoned(
+            where, text, "edits", _bad_edited_line
+        )
+    )
 
 
 def declared(stack: Stack) -> dict[str, tuple[EditedTest, ...]]:

@@ -26,6 +26,7 @@ description can quote as it is::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,47 +150,69 @@ def validate_owned_path(name: str, path: str) -> None:
         )
 
 
-def parse_retired(name: str, text: str) -> tuple[RetiredTest, ...]:
-    """The node ids of an entry's ``retired-tests``, each with its reason.
+def parse_reasoned(
+    where: str, text: str, kind: str, bad_line: Callable[[str], str | None]
+) -> list[tuple[str, str, int]]:
+    """The lines of a ``retired-tests``-style file: (line, reason, line number).
 
-    A block of ``#`` lines gives the reason for the node ids right below it;
-    a blank line or the next ``#`` block ends it.
+    A block of ``#`` lines gives the reason for the lines right below it; a
+    blank line or the next ``#`` block ends it. ``bad_line`` returns an error
+    message for a line it refuses; ``kind`` names what the file's lines are
+    about ("retires", "edits") in the missing-reason error.
     """
-    where = f"patches/{name}/{RETIRED}"
-    retired: list[RetiredTest] = []
+    items: list[tuple[str, str, int]] = []
     reason: list[str] = []
-    after_ids = False
+    after_items = False
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line:
-            reason, after_ids = [], False
+            reason, after_items = [], False
             continue
         if line.startswith("#"):
-            if after_ids:
-                reason, after_ids = [], False
+            if after_items:
+                reason, after_items = [], False
             reason.append(line[1:].strip())
             continue
-        path = line.split("::", 1)[0]
-        if (
-            not path.startswith("tests/")
-            or ".." in Path(path).parts
-            or any(c.isspace() for c in line)
-        ):
-            raise WorkbenchError(
-                f"{where} line {lineno}: {line!r} is not a node id under tests/; "
-                "write one node id or node-id prefix a line, e.g. "
-                "tests/v1/core/test_scheduler.py::test_name"
-            )
-        if not " ".join(reason).strip():
+        problem = bad_line(line)
+        if problem:
+            raise WorkbenchError(f"{where} line {lineno}: {problem}")
+        why = " ".join(reason).strip()
+        if not why:
             raise WorkbenchError(
                 f"{where} line {lineno}: {line} has no reason; put '# why the "
-                "entry retires it' lines right above it"
+                f"entry {kind} it' lines right above it"
             )
-        if any(t.node == line for t in retired):
+        if any(item == line for item, _, _ in items):
             raise WorkbenchError(f"{where} line {lineno}: {line} is listed twice")
-        retired.append(RetiredTest(line, " ".join(reason).strip(), lineno))
-        after_ids = True
-    return tuple(retired)
+        items.append((line, why, lineno))
+        after_items = True
+    return items
+
+
+def _bad_retired_line(line: str) -> str | None:
+    path = line.split("::", 1)[0]
+    if (
+        not path.startswith("tests/")
+        or ".." in Path(path).parts
+        or any(c.isspace() for c in line)
+    ):
+        return (
+            f"{line!r} is not a node id under tests/; "
+            "write one node id or node-id prefix a line, e.g. "
+            "tests/v1/core/test_scheduler.py::test_name"
+        )
+    return None
+
+
+def parse_retired(name: str, text: str) -> tuple[RetiredTest, ...]:
+    """The node ids of an entry's ``retired-tests``, each with its reason."""
+    where = f"patches/{name}/{RETIRED}"
+    return tuple(
+        RetiredTest(node, reason, lineno)
+        for node, reason, lineno in parse_reasoned(
+            where, text, "retires", _bad_retired_line
+        )
+    )
 
 
 def load(root: Path) -> Stack:
