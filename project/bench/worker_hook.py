@@ -43,11 +43,11 @@ def engine_counts(model_dir: str, prompts: int) -> dict[str, int]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch.distributed as dist
-    from vllm.distributed.kv_transfer.kv_connector.v1 import external_hits
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1 import external_hits
 
     counts: Counter[str] = Counter()
     patches = [

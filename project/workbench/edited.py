@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.errors import WorkbenchError
 from workbench.stack import Stack, parse_reasoned, split_patch
 
 EDITED = "edited-tests"

@@ -26,8 +26,8 @@ description can quote as it is::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
