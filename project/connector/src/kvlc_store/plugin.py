@@ -60,7 +60,10 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> None:
     ours_by_path = module_path in MODULE_PATHS
     if name != CONNECTOR:
         close = difflib.get_close_matches(name, [CONNECTOR], n=1, cutoff=0.7)
-        if ours_by_path or (module_path is None and close):
+        # A name close to ours that vLLM or another plugin registered
+        # (MooncakeStoreConnector) is that connector, not a misspelling.
+        misspelled = close and not _is_registered(name)
+        if ours_by_path or (module_path is None and misspelled):
             raise ValueError(
                 f"kv_connector = {name!r} is not a connector of {DIST} "
                 f"(package {PACKAGE}); did you mean {CONNECTOR!r}?"
@@ -69,6 +72,14 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> None:
     if module_path is not None and not ours_by_path:
         return  # Another package's StoreConnector.
     parse_config(dict(kv_transfer_config.kv_connector_extra_config or {}))
+
+
+def _is_registered(name: str) -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    # vLLM 0.32.0 has no public query for a registered name; looking a name up
+    # through get_connector_class_by_name would import its module.
+    return name in KVConnectorFactory._registry
 
 
 def _install_check() -> None:
