@@ -1,7 +1,8 @@
 """Time ``Scheduler.schedule()`` + ``update_from_output()`` with no model.
 
 Run with the python of the vLLM install under test; prints one JSON object:
-``{"vllm": version, "results": {"<connector>/<n>": [seconds per step, ...]}}``.
+``{"vllm": version, "results": {"<connector>/<n>": [[seconds per step, ...], ...]}}``,
+one list per repetition (a fresh scheduler on the same workload each time).
 The same script runs against the unpatched and the patched build, so it only
 uses APIs both have (the lifecycle connector only where it exists).
 
@@ -9,6 +10,9 @@ Workload, per (connector, n): prefix caching on, block size 16, ``n`` requests
 always in the system (``n/2`` may run, the rest wait), 96-token prompts that
 share their first block, 8 output tokens each; a finished request is replaced
 by a new one at once, so every step admits, prefills, decodes and frees.
+The workload is deterministic (run it with a fixed ``PYTHONHASHSEED``): step
+``i`` does the same work in every repetition and every process, which is what
+lets ``run.py`` take the fastest sample of each step.
 """
 
 from __future__ import annotations
@@ -175,8 +179,9 @@ def main() -> None:
     p.add_argument("--connectors", default=",".join(CONNECTORS))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    results: dict[str, list[float]] = {}
+    results: dict[str, list[list[float]]] = {}
     for n in (int(s) for s in args.sizes.split(",")):
         for connector in args.connectors.split(","):
             if connector not in CONNECTORS or (
@@ -184,9 +189,10 @@ def main() -> None:
                 and not hasattr(bench_connectors, "LifecycleLookupConnector")
             ):
                 continue
-            results[f"{connector}/{n}"] = measure(
-                args.model_dir, connector, n, args.steps, args.warmup
-            )
+            results[f"{connector}/{n}"] = [
+                measure(args.model_dir, connector, n, args.steps, args.warmup)
+                for _ in range(args.repeats)
+            ]
     print(json.dumps({"vllm": vllm.__version__, "results": results}))
 
 

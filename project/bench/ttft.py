@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT / "project"))
 sys.path.insert(0, str(ROOT / "project" / "demo"))
 sys.path.insert(0, str(ROOT / "project" / "tests"))
 
+import machine  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from serve_demo import Server, free_port, server_env  # noqa: E402
 from workbench import devenv  # noqa: E402
@@ -425,16 +426,6 @@ def kv_bytes_per_token(model: Path, dtype: str) -> int:
     return per_token
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
 def vllm_version(python: Path) -> str:
     done = subprocess.run(
         [str(python), "-c", "import vllm; print(vllm.__version__)"],
@@ -724,7 +715,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="hits per system")
     connectors = [s for s in SYSTEMS if s != "recompute"]
     p.add_argument("--systems", nargs="+", choices=connectors, default=connectors)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32",
+    )
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--keep-logs", action="store_true", help="keep the server logs")
     p.add_argument(
@@ -739,6 +735,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(saved["analysis"], saved["meta"], args.out)
         return 0
     started = time.monotonic()
+    if args.dtype == "auto":
+        args.dtype = machine.native_dtype()
     patched = devenv.ensure(ROOT)
     lmcache = devenv.ensure_lmcache(ROOT) if "lmcache" in args.systems else patched
     subprocess.run(
@@ -816,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
+        "machine": machine.describe(),
         "minutes": (time.monotonic() - started) / 60,
         "vllm": vllm_version(patched),
         "lmcache": "0.5.6" if "lmcache" in args.systems else "not run",

@@ -1,0 +1,47 @@
+"""The scheduler-step estimator of ``./wb bench`` and the machine line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import machine  # noqa: E402
+import run  # noqa: E402
+
+
+def test_each_step_costs_its_fastest_sample() -> None:
+    # Step 0 was slowed in the first repetition, step 1 in the second.
+    assert run.fastest_step_sum([[1.0, 5.0], [3.0, 2.0]]) == pytest.approx(1.5)
+
+
+def test_repetitions_of_different_lengths_are_refused() -> None:
+    with pytest.raises(ValueError):
+        run.fastest_step_sum([[1.0, 2.0], [1.0]])
+
+
+def _result(per_step: list[float]) -> dict[str, object]:
+    return {"vllm": "x", "results": {"none/64": [per_step]}}
+
+
+def test_the_table_reports_the_control_beside_the_ratio() -> None:
+    lines, per_config = run.scheduler_section(
+        {
+            "unpatched": [_result([1e-3, 1e-3]), _result([2e-3, 1e-3])],
+            "patched": [_result([1.1e-3, 1.1e-3])],
+            "control": [_result([1e-3, 1.02e-3])],
+        }
+    )
+    assert per_config["none/64"]["unpatched"] == pytest.approx((1e-3, 1e-3, 1.5e-3))
+    row = lines[-1]
+    assert "1.100 (**missed**, target ≤ 1.01)" in row
+    assert row.endswith("| 1.010 |")
+
+
+def test_the_machine_line_names_the_dtype_flags() -> None:
+    line = machine.describe()
+    assert "avx512_bf16" in line and "cores" in line
+    assert machine.native_dtype() in ("bfloat16", "float32")
