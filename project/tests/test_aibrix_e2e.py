@@ -17,6 +17,7 @@ answer, computed by the engine with nothing loaded.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -31,7 +32,13 @@ sys.path.insert(0, str(REPO / "project" / "demo"))
 import serve_demo  # noqa: E402
 from make_model import make_model  # noqa: E402
 
-pytest.importorskip("kvlc_aibrix", reason="kvlc-aibrix is not installed")
+try:
+    import kvlc_aibrix  # noqa: F401
+except ImportError as e:
+    # ./wb test installs it (project/workbench/devenv.py): CI must not skip.
+    if os.environ.get("KVLC_REQUIRE_E2E") == "1":
+        raise
+    pytest.skip(f"kvlc-aibrix is not installed: {e}", allow_module_level=True)
 
 KV = {
     "kv_connector": "AIBrixHookConnector",
@@ -48,6 +55,12 @@ def start(name: str, root: Path, model: Path, l2: Path, tp: int = 1, l1: bool = 
         AIBRIX_KV_CACHE_OL_L1_CACHE_ENABLED="1" if l1 else "0",
         AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB="0.05",
         AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND="SHFS",
+        # Every block put in L1 goes to L2 too (the default, HOT, only
+        # blocks read again), synchronously (no in-flight quota).
+        AIBRIX_KV_CACHE_OL_L2_CACHE_INGESTION_TYPE="ALL",
+        # Read L2 for blocks L1 lacks from one block on (the default: 4
+        # blocks and 10% of the prompt; these prompts have 2).
+        AIBRIX_KV_CACHE_OL_DOUBLE_GET_THRESHOLD="1",
         AIBRIX_KV_CACHE_OL_SHFS_ROOT=str(l2),
     )
     if tp > 1:

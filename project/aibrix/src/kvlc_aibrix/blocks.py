@@ -23,7 +23,7 @@ import torch
 def aibrix_op_available() -> bool:
     """Whether AIBrix's compiled cache ops are registered with torch."""
     try:
-        import aibrix_kvcache._custom_ops  # noqa: F401 - registers the ops
+        import aibrix_kvcache._custom_ops  # type: ignore[import-untyped]  # noqa: F401
 
         return hasattr(torch.ops._aibrix_C_cache_ops, "reshape_and_cache_multi_layer")
     except (ImportError, AttributeError, RuntimeError):
@@ -80,7 +80,9 @@ class BlockCopier:
                     f"AIBRIX_KV_CACHE_OL_BLOCK_SIZE to the engine's block size"
                 )
 
-    def _slots(self, block_ids: list[int], first_token: int, num_tokens: int):
+    def _slots(
+        self, block_ids: list[int], first_token: int, num_tokens: int
+    ) -> torch.Tensor:
         pos = torch.arange(first_token, first_token + num_tokens)
         ids = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_ntokens]
         slots = ids * self.block_ntokens + pos % self.block_ntokens
@@ -88,14 +90,16 @@ class BlockCopier:
 
     def load(
         self,
-        blocks: Sequence[torch.Tensor],
         block_ids: list[int],
         first_token: int,
+        blocks: Sequence[torch.Tensor],
     ) -> None:
         """Write AIBrix ``blocks`` (from prompt position ``first_token``) into
         the request's engine blocks ``block_ids`` (all of the request's)."""
         if self.use_aibrix_op:
-            from aibrix_kvcache._custom_ops import reshape_and_cache_multi_layer
+            from aibrix_kvcache._custom_ops import (
+                reshape_and_cache_multi_layer,
+            )
 
             n = len(blocks) * blocks[0].shape[2]  # LCND: tokens are dim 2
             reshape_and_cache_multi_layer(
@@ -106,20 +110,24 @@ class BlockCopier:
             return
         first = first_token // self.block_ntokens
         for i, block in enumerate(blocks):
-            for layer, (kv, dim) in enumerate(zip(self.layers, self._dims, strict=True)):
+            for layer, (kv, dim) in enumerate(
+                zip(self.layers, self._dims, strict=False)
+            ):
                 view = kv.narrow(dim, block_ids[first + i], 1)
                 view.copy_(block[layer].reshape(view.shape))
 
     def save(
         self,
-        blocks: Sequence[torch.Tensor],
         block_ids: list[int],
         first_token: int,
+        blocks: Sequence[torch.Tensor],
     ) -> None:
         """Read the request's engine blocks from prompt position
         ``first_token`` on into the AIBrix ``blocks``."""
         if self.use_aibrix_op:
-            from aibrix_kvcache._custom_ops import reshape_and_offload_multi_layer
+            from aibrix_kvcache._custom_ops import (
+                reshape_and_offload_multi_layer,
+            )
 
             n = len(blocks) * blocks[0].shape[2]
             reshape_and_offload_multi_layer(
@@ -130,6 +138,8 @@ class BlockCopier:
             return
         first = first_token // self.block_ntokens
         for i, block in enumerate(blocks):
-            for layer, (kv, dim) in enumerate(zip(self.layers, self._dims, strict=True)):
+            for layer, (kv, dim) in enumerate(
+                zip(self.layers, self._dims, strict=False)
+            ):
                 view = kv.narrow(dim, block_ids[first + i], 1)
                 block[layer].copy_(view.reshape(block[layer].shape))

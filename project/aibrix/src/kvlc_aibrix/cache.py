@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from aibrix_kvcache import (
+from aibrix_kvcache import (  # type: ignore[import-untyped]
     BaseKVCacheManager,
     KVCacheBlockLayout,
     KVCacheBlockSpec,
@@ -77,7 +77,7 @@ class Lease:
 
     def tensors(self) -> Sequence[torch.Tensor]:
         """One tensor per cache block, in AIBrix's block shape."""
-        return self.handle.to_tensors()  # type: ignore[return-value]
+        return list(self.handle.to_tensors())
 
     def release(self) -> None:
         self.handle.release()
@@ -161,7 +161,7 @@ def store(
         handle = status.value
         tensors = handle.to_tensors()
         try:
-            fill(len(prefix), tensors)  # type: ignore[arg-type]
+            fill(len(prefix), tensors)
         except BaseException:
             handle.release()
             raise

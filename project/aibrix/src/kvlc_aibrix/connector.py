@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from aibrix_kvcache import BaseKVCacheManager, TokenListView
+from aibrix_kvcache import (  # type: ignore[import-untyped]
+    BaseKVCacheManager,
+    TokenListView,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -95,7 +99,7 @@ class AIBrixHookConnector(KVConnectorBase_V1):
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -115,7 +119,7 @@ class AIBrixHookConnector(KVConnectorBase_V1):
         self._step = 0
         # Worker side.
         self._vllm_config = vllm_config
-        self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
+        self._num_blocks = kv_cache_config.num_blocks
         self._cache: BaseKVCacheManager | None = None
         self._copier: BlockCopier | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -194,8 +198,9 @@ class AIBrixHookConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed import get_tp_group
         from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+
+        from vllm.distributed import get_tp_group
 
         config = self._vllm_config
         model = config.model_config
@@ -223,7 +228,8 @@ class AIBrixHookConnector(KVConnectorBase_V1):
             [context[name]._k_scale for name in names],
             [context[name]._v_scale for name in names],
         )
-        if not self._copier.use_aibrix_op and self._cache.block_size != self._engine_block:
+        torch_path = not self._copier.use_aibrix_op
+        if torch_path and self._cache.block_size != self._engine_block:
             raise ValueError(
                 f"AIBrixHookConnector: AIBrix's block size {self._cache.block_size} "
                 f"differs from vLLM's {self._engine_block}; without AIBrix's "
@@ -309,7 +315,7 @@ class AIBrixHookConnector(KVConnectorBase_V1):
                 tracked = self._tracked[lease.req_id]
                 try:
                     self._copier.load(
-                        lease.tensors(), tracked.block_ids, lease.first_token
+                        tracked.block_ids, lease.first_token, lease.tensors()
                     )
                 except Exception:
                     logger.exception(
@@ -353,9 +359,7 @@ class AIBrixHookConnector(KVConnectorBase_V1):
             if stop <= aligned:
                 continue
 
-            def fill(first: int, blocks: Any, ids: list[int] = tracked.block_ids) -> None:
-                copier.save(blocks, ids, first)
-
+            fill = partial(copier.save, tracked.block_ids)
             store(self._cache, tracked.tokens, aligned, stop, fill)
 
     def shutdown(self) -> None:
