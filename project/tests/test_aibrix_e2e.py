@@ -4,8 +4,9 @@ to end: ``vllm serve`` on the CPU build, real HTTP, the real
 
 Three servers on the demo model, each started once for the module:
 
-* ``a`` and ``b`` (TP=1): AIBrix's L1 CPU cache and its ``SHFS`` L2 in one
-  shared directory; ``b`` is started after ``a`` stored a prompt;
+* ``a`` and ``b`` (TP=1, started together): AIBrix's L1 CPU cache and its
+  ``SHFS`` L2 in one shared directory; ``b`` is asked for a prompt only ``a``
+  answered before;
 * ``tp2`` (TP=2, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``): L2 only, in its own
   directory, so a test can take a block away from one rank.
 
@@ -21,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +111,31 @@ def model(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def a(root: Path, model: Path) -> Iterator[Engine]:
-    engine = start("a", root, model, root / "l2")
+def pair(root: Path, model: Path) -> Iterator[tuple[Engine, Engine]]:
+    """``a`` and ``b``, started together (an engine start is most of this
+    module's time); L2 is read per request, so ``b`` may start before ``a``
+    stores anything."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, n, root, model, root / "l2") for n in "ab"]
+    engines = [f.result() for f in futures if f.exception() is None]
+    errors = [e for f in futures if (e := f.exception()) is not None]
     try:
-        yield engine
+        if errors:
+            raise errors[0]
+        yield engines[0], engines[1]
     finally:
-        engine.server.stop()
+        for engine in engines:
+            engine.server.stop()
+
+
+@pytest.fixture(scope="module")
+def a(pair: tuple[Engine, Engine]) -> Engine:
+    return pair[0]
+
+
+@pytest.fixture(scope="module")
+def b(pair: tuple[Engine, Engine]) -> Engine:
+    return pair[1]
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +145,6 @@ def shared(a: Engine, root: Path) -> dict[str, Any]:
     miss = a.complete(prompt("shared"))
     wait_for_files(root / "l2", before, 2)
     return {"miss": miss}
-
-
-@pytest.fixture(scope="module")
-def b(shared: dict[str, Any], root: Path, model: Path) -> Iterator[Engine]:
-    engine = start("b", root, model, root / "l2")
-    try:
-        yield engine
-    finally:
-        engine.server.stop()
 
 
 def test_repeated_prompt_hits_with_the_same_tokens(a: Engine):
@@ -156,8 +168,8 @@ def test_second_server_hits_what_the_first_stored(b: Engine, shared: dict[str, A
 
 @pytest.fixture(scope="module")
 def tp2(root: Path, model: Path, b: Engine) -> Iterator[Engine]:
-    # After the TP=1 servers' tests (b depends on them): one TP=2 engine
-    # at a time on two cores.
+    # Started after the TP=1 servers (its fixture asks for b): a TP=2
+    # engine uses both cores.
     engine = start("tp2", root, model, root / "l2-tp2", tp=2, l1=False)
     try:
         yield engine
