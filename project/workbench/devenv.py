@@ -23,6 +23,10 @@ TEST_REQUIREMENTS = "project/requirements-test.txt"
 MOONCAKE_REQUIREMENTS = "project/requirements-mooncake.txt"
 # The reference connector, installed editable so its tests see edits at once.
 CONNECTOR = "project/connector"
+# AIBrix's offloading on the stack's hook, editable like the connector above;
+# aibrix-kvcache itself goes in with --no-deps (its pins fight the project's).
+AIBRIX = "project/aibrix"
+AIBRIX_REQUIREMENTS = "project/aibrix/requirements-aibrix.txt"
 # The workbench modules `pip install .` runs: a change to one rebuilds.
 BUILD_MODULES = ("backend", "build", "gitutil", "stack", "tools", "upstream")
 
@@ -32,6 +36,7 @@ def _stack_digest(root: Path) -> str:
     digest = hashlib.sha256()
     inputs = [root / "pyproject.toml", root / TEST_REQUIREMENTS]
     inputs += [root / MOONCAKE_REQUIREMENTS, root / CONNECTOR / "pyproject.toml"]
+    inputs += [root / AIBRIX / "pyproject.toml", root / AIBRIX_REQUIREMENTS]
     inputs += [root / "project" / "workbench" / f"{m}.py" for m in BUILD_MODULES]
     for top in ("patches", "vllm"):
         inputs += sorted(
@@ -142,10 +147,18 @@ def ensure(root: Path) -> Path:
             str(root / MOONCAKE_REQUIREMENTS),
             "-e",
             str(root / CONNECTOR),
+            "-e",
+            str(root / AIBRIX),
         ],
         "installing the patched vLLM (built from the release and patches/), "
-        "the test requirements and the reference connector",
+        "the test requirements, the reference connector and kvlc-aibrix",
         env_dir / "kvlc-pip-install.log",
+    )
+    _pip_install(
+        python,
+        ["--no-deps", "-r", str(root / AIBRIX_REQUIREMENTS)],
+        "installing aibrix-kvcache without its declared dependencies",
+        env_dir / "kvlc-pip-install-aibrix.log",
     )
     version = subprocess.run(
         [str(env_dir / "bin" / "vllm"), "--version"],

@@ -1,0 +1,33 @@
+"""``.venv``'s install marker: what makes ``./wb test`` reinstall."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from workbench import devenv
+
+
+@pytest.mark.parametrize(
+    "changed", [f"{devenv.AIBRIX}/pyproject.toml", devenv.AIBRIX_REQUIREMENTS]
+)
+def test_kvlc_aibrix_install_inputs_change_the_digest(tmp_path: Path, changed: str):
+    for rel in (f"{devenv.AIBRIX}/pyproject.toml", devenv.AIBRIX_REQUIREMENTS):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("a\n")
+    before = devenv._stack_digest(tmp_path)
+    (tmp_path / changed).write_text("b\n")
+    assert devenv._stack_digest(tmp_path) != before
+
+
+def test_aibrix_kvcache_is_pinned_and_installed_apart():
+    """aibrix-kvcache is not a dependency of kvlc-aibrix (pip would then
+    install its redis==6.0.0 pin over the project's redis): it is pinned in
+    its own requirements file, which ensure() installs with --no-deps."""
+    pyproject = (REPO / devenv.AIBRIX / "pyproject.toml").read_text()
+    dependencies = pyproject.split("dependencies = [", 1)[1].split("]")[0]
+    assert "aibrix-kvcache" not in dependencies
+    lines = (REPO / devenv.AIBRIX_REQUIREMENTS).read_text().splitlines()
+    pinned = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert pinned == ["aibrix-kvcache==0.8.0"]
