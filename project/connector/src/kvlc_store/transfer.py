@@ -51,6 +51,19 @@ class BlockLayout:
                 )
             self._layers.append((kv, dim, kv.shape[dim] // num_blocks))
         self.on_host = all(kv.device.type == "cpu" for kv, _, _ in self._layers)
+        # Per layer: its bytes, and per block the (start, length) runs of
+        # block 0 (a block's runs are block 0's shifted by ``step`` bytes
+        # per block). Slicing these is what ``segments`` costs per block.
+        self._runs: list[tuple[memoryview, int, list[tuple[int, int]]]] = []
+        if self.on_host and all(kv.is_contiguous() for kv, _, _ in self._layers):
+            for kv, dim, per in self._layers:
+                size = kv.element_size()
+                row = kv.stride(dim) * size
+                outer = [i * kv.stride(0) * size for i in range(kv.shape[0])]
+                starts = outer if dim == 1 else [0]
+                self._runs.append(
+                    (bytes_view(kv), per * row, [(o, per * row) for o in starts])
+                )
         self.block_bytes = (
             sum(v.numel() * v.element_size() for v in self._views(0))
             if self._layers
@@ -64,6 +77,12 @@ class BlockLayout:
         """Writable byte views of block ``block_id`` in the KV cache, in
         payload order. Host KV caches only (``on_host``)."""
         assert self.on_host
+        if self._runs:
+            return [
+                base[start + block_id * step : start + block_id * step + length]
+                for base, step, runs in self._runs
+                for start, length in runs
+            ]
         return [
             bytes_view(run)
             for view in self._views(block_id)
