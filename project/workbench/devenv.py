@@ -141,7 +141,8 @@ def ensure(root: Path) -> Path:
             "-r",
             str(root / MOONCAKE_REQUIREMENTS),
             "-e",
-            str(root / CONNECTOR),
+            # The redis extra: hiredis, redis-py's fast reply parser.
+            f"{root / CONNECTOR}[redis]",
         ],
         "installing the patched vLLM (built from the release and patches/), "
         "the test requirements and the reference connector",
