@@ -7,12 +7,14 @@ deleted and reported as a load error (vLLM then recomputes the block).
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from kvlc_store import core as core_module
 from kvlc_store.backends import DirectoryBackend, new_lease_id
-from kvlc_store.chunk import HEADER_BYTES
+from kvlc_store.chunk import FORMAT_VERSION, HEADER_BYTES
 from kvlc_store.config import parse_config
-from kvlc_store.core import StoreCore
+from kvlc_store.core import StoreCore, store_identity
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.worker_side import WorkerSide
@@ -89,3 +91,29 @@ def test_corruption_found_at_load_is_a_load_error(tmp_path: Path):
     assert core.stats.data["load_errors"] == 1
     assert not path.exists()  # deleted: the recompute stores it again
     assert core.backend.get(key(0)) is not None
+
+
+def test_kv_cache_off_the_host_goes_through_a_host_buffer(tmp_path: Path):
+    """The path of a KV cache on an accelerator (``on_host`` False), run on
+    host tensors: save from a staged copy, load through a host buffer."""
+    core, worker, caches = make(tmp_path)
+    worker.layout.on_host = False
+    saved = block(caches, 2)
+    worker.save(StoreMetadata(saves=[SaveSpec(2, [key(2)])]))
+    worker.start_load(StoreMetadata(loads=[LoadSpec("r", None, [5], [[key(2)]])]))
+    assert worker.take_load_errors() == set()
+    assert all(torch.equal(x, y) for x, y in zip(block(caches, 5), saved, strict=True))
+
+
+def test_chunks_of_another_format_live_under_other_keys(monkeypatch):
+    """The store identity (every key's prefix) includes the chunk format:
+    a server never looks up chunks an older connector wrote."""
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[])
+    now = store_identity(config, kv_cache_config)  # type: ignore[arg-type]
+    monkeypatch.setattr(core_module, "FORMAT_VERSION", FORMAT_VERSION - 1)
+    assert store_identity(config, kv_cache_config) != now  # type: ignore[arg-type]
