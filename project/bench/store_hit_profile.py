@@ -1,12 +1,15 @@
 """Where a StoreConnector hit spends its time, outside vLLM: the store work of
-``ttft.py``'s hit (31 chunks of one 128-token block of the Qwen2.5-0.5B-shape
-model, 1.5 MiB each) and of its miss (32 chunks written), per backend.
+``ttft.py``'s hit (32 chunks of one 128-token block of the Qwen2.5-0.5B-shape
+model, 1.5 MiB each: the prompt's last block is loaded too) and of its miss
+(32 chunks written), per backend.
 
-The steps are the ones ``kvlc_store`` runs, on its own backends and chunk
-format: scheduler lookup = ``lease`` + (with ``verify_on_lookup``, the
-default) ``get`` and checksum of every chunk; worker load = ``get``, checksum
-(``decode_chunk``) and the copy into the KV cache (timed here as a copy into
-a buffer of the same size); miss = ``encode_chunk`` (checksum) and ``put``.
+The steps are ``kvlc_store``'s own, on its backends, chunk format and worker
+side, over a KV cache of that model's shape in host memory (24 layers of
+``[2, blocks x 128, 2 heads, 64]`` bf16, as vLLM's CPU backend lays it out):
+miss = the worker's save (digest, then write straight from the KV cache);
+scheduler lookup = ``lease`` + (with ``verify_on_lookup``, the default) the
+headers of every chunk (``peek`` + ``check_header``); worker load = read
+straight into the KV cache, digest and release (``start_load_kv``).
 
 Run with the python of the vLLM install that has ``kvlc_store`` (Redis
 backend: Debian's ``redis-server`` on PATH)::
@@ -21,25 +24,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from kvlc_store.backends import Backend, DirectoryBackend, RedisBackend, new_lease_id
-from kvlc_store.chunk import decode_chunk, encode_chunk
+from kvlc_store.chunk import HEADER_BYTES, check_header
+from kvlc_store.config import parse_config
+from kvlc_store.core import StoreCore
+from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
+from kvlc_store.worker_side import WorkerSide
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_server import running_redis  # noqa: E402
 
-BLOCK_BYTES = 128 * 24 * 2 * 2 * 64 * 2  # tokens × layers × K,V × heads × dim × bf16
-HIT_CHUNKS = 31  # (4096 - 1) // 128: the last prompt token is always computed
+LAYERS, HEADS, HEAD_DIM, BLOCK = 24, 2, 64, 128
+HIT_CHUNKS = 32  # 4095 of 4096 tokens: the last block is loaded whole
 MISS_CHUNKS = 32
 IDENTITY = "profile"
 
@@ -59,39 +64,36 @@ class Timer:
 
 def profile(backend: Backend, reps: int) -> dict[str, list[float]]:
     timer = Timer()
-    # Zeroed: vLLM's KV cache is touched long before a load writes into it.
-    kv = torch.zeros(HIT_CHUNKS * BLOCK_BYTES, dtype=torch.uint8)
+    config = parse_config({"path": tempfile.gettempdir()})
+    core = StoreCore(config, backend, IDENTITY, 1)
+    worker = WorkerSide(core, BLOCK)
+    num_blocks = MISS_CHUNKS + HIT_CHUNKS
+    kv = {
+        f"layer.{i:02d}": torch.randn(
+            2, num_blocks * BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16
+        )
+        for i in range(LAYERS)
+    }
+    worker.register(kv, num_blocks, 0)
     for rep in range(reps):
         keys = [f"{IDENTITY}/{rep:04x}{i:060x}.0" for i in range(MISS_CHUNKS)]
-        payloads = [os.urandom(BLOCK_BYTES) for _ in keys]
-        with timer("miss: encode (checksum)"):
-            chunks = [
-                encode_chunk(IDENTITY, k, p)
-                for k, p in zip(keys, payloads, strict=True)
-            ]
-        with timer("miss: put"):
-            for key, chunk in zip(keys, chunks, strict=True):
-                backend.put(key, chunk)
+        saves = [SaveSpec(b, [k]) for b, k in enumerate(keys)]
+        with timer("miss: save (digest + write from KV)"):
+            worker.save(StoreMetadata(saves=saves))
         hit = keys[:HIT_CHUNKS]
         lease = new_lease_id()
         with timer("hit, scheduler: lease"):
             backend.lease(hit, lease, 60)
-        with timer("hit, scheduler: verify (get + checksum)"):
-            for key in hit:
-                decode_chunk(backend.get(key) or b"", IDENTITY, key)
-        with timer("hit, worker: get"):
-            data = [backend.get(key) or b"" for key in hit]
-        with timer("hit, worker: checksum"):
-            views = [
-                decode_chunk(d, IDENTITY, k) for d, k in zip(data, hit, strict=True)
-            ]
-        with timer("hit, worker: copy into KV"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only buffer
-            for i, view in enumerate(views):
-                src = torch.frombuffer(view, dtype=torch.uint8)
-                kv[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES].copy_(src)
-        with timer("hit, worker: release"):
-            backend.release(hit, lease)
+        with timer("hit, scheduler: check headers"):
+            for key, head in zip(hit, backend.peek(hit, HEADER_BYTES), strict=True):
+                assert head is not None
+                check_header(head[0], IDENTITY, key, head[1])
+        load = LoadSpec(
+            "r", lease, list(range(MISS_CHUNKS, num_blocks)), [[k] for k in hit]
+        )
+        with timer("hit, worker: load (read into KV + digest + release)"):
+            worker.start_load(StoreMetadata(loads=[load]))
+        assert not worker.take_load_errors()
     return timer.seconds
 
 

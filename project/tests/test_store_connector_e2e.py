@@ -71,7 +71,7 @@ class Engine:
         self.server = server
         self.url = f"http://127.0.0.1:{port}"
 
-    def complete(self, text: str) -> Answer:
+    def complete(self, text: str | list[int]) -> Answer:
         body = {
             "model": serve_demo.SERVED_NAME,
             "prompt": text,
@@ -92,6 +92,13 @@ class Engine:
             )
             or 0,
         )
+
+    def tokenize(self, text: str) -> list[int]:
+        body = {"model": serve_demo.SERVED_NAME, "prompt": text}
+        tokens: list[int] = json.loads(serve_demo.http(f"{self.url}/tokenize", body))[
+            "tokens"
+        ]
+        return tokens
 
     def metric(self, name: str) -> float:
         text = serve_demo.http(f"{self.url}/metrics")
@@ -114,6 +121,8 @@ def kv_config(extra: dict[str, Any]) -> dict[str, Any]:
         "kv_connector": "StoreConnector",
         "kv_connector_module_path": "kvlc_store",
         "kv_role": "kv_both",
+        # A chunk that fails its checksum at load: recompute its blocks.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 
@@ -194,27 +203,29 @@ def test_repeat_hits_and_matches_the_miss(setup):
     assert hits_after - hits_before == 2 * BLOCK
 
 
-def test_corrupt_chunk_is_a_miss_with_one_warning(setup):
+def test_corrupt_payload_fails_at_load_and_is_recomputed(setup):
+    """A lookup checks headers only, so a flipped payload byte is offered,
+    fails its digest at load, and vLLM recomputes the blocks from the first
+    damaged one (``kv_load_failure_policy: recompute``): same output."""
     engine: Engine = setup["dir"]
     miss = engine.complete(prompt("beta"))
     chunks = sorted((setup["root"] / "store" / "chunks").rglob("*.0"))
     beta = [p for p in chunks if engine_chunk_holds(p)]
     assert beta, "no chunk stored"
-    corrupt_before = engine.store_metrics().get(
-        "vllm:kvlc_store_corrupt_chunks_total", 0
-    )
+    before = engine.store_metrics()
     for path in chunks:  # flip one payload byte of every stored chunk
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
     again = engine.complete(prompt("beta"))
-    assert again.cached_tokens == 0
     assert_same_output(again, miss)
     metrics = engine.store_metrics()
-    assert metrics["vllm:kvlc_store_corrupt_chunks_total"] > corrupt_before
+    for name in ("corrupt_chunks", "load_errors"):
+        name = f"vllm:kvlc_store_{name}_total"
+        assert metrics[name] > before.get(name, 0), name
     assert metrics["vllm:kvlc_store_leases_open"] == 0
     assert "unusable (checksum mismatch)" in engine.server.log_text()
-    # The corrupt chunks were dropped and the prompt stored again: a hit.
+    # The corrupt chunks were dropped and the recomputed blocks stored again.
     third = engine.complete(prompt("beta"))
     assert third.cached_tokens == 2 * BLOCK
     assert_same_output(third, miss)
@@ -240,6 +251,28 @@ def test_store_cap_evicts_and_keeps_answering(setup):
     again = engine.complete(prompt("gamma-0"))  # evicted long ago: a miss
     assert again.cached_tokens == 0
     assert_same_output(again, first)
+    assert engine.store_metrics()["vllm:kvlc_store_leases_open"] == 0
+
+
+@pytest.mark.parametrize("name", ["dir", "redis_a"])
+def test_prompt_of_whole_blocks_hits_all_but_its_last_token(setup, name):
+    """A prompt of exactly three blocks: the third block is stored and
+    loaded whole, the hit reports every token but the last (which vLLM
+    computes to sample from), and the greedy output is the miss's."""
+    engine: Engine = setup[name]
+    ids = engine.tokenize(prompt(f"theta-{name}") * 2)[: 3 * BLOCK]
+    miss = engine.complete(ids)
+    hit = engine.complete(ids)
+    assert miss.cached_tokens == 0
+    assert hit.prompt_tokens == 3 * BLOCK
+    assert hit.cached_tokens == 3 * BLOCK - 1
+    assert hit.token_ids == miss.token_ids
+    # The first logprob comes straight from the loaded KV; the hit computes
+    # the last prompt token alone (a one-token prefill, where the miss ran
+    # 384), so its own KV differs in bf16 rounding and later logprobs drift
+    # a little further than after a hit of whole blocks.
+    assert hit.logprobs[0] == pytest.approx(miss.logprobs[0], abs=1e-2)
+    assert hit.logprobs == pytest.approx(miss.logprobs, abs=5e-2)
     assert engine.store_metrics()["vllm:kvlc_store_leases_open"] == 0
 
 
@@ -504,11 +537,12 @@ from kvlc_store.backends import DirectoryBackend
 
 real_write = os.write
 
-def write_half_and_die(fd, data):
-    real_write(fd, bytes(data)[: len(data) // 2])
+def write_half_and_die(fd, buffers):
+    data = b"".join(buffers)
+    real_write(fd, data[: len(data) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
 
-os.write = write_half_and_die
+os.writev = write_half_and_die
 root, key, chunk = sys.argv[1:]
 DirectoryBackend(Path(root), 1 << 30).put(key, Path(chunk).read_bytes())
 """

@@ -71,8 +71,8 @@ def test_full_disk_skips_the_save_and_leaves_no_partial_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     store = DirectoryBackend(tmp_path, 10**6)
-    write = Failing(errno.ENOSPC, os.write)
-    monkeypatch.setattr(backends.os, "write", write)
+    write = Failing(errno.ENOSPC, os.writev)
+    monkeypatch.setattr(backends.os, "writev", write)
     with pytest.raises(BackendUnavailable, match="No space left on device"):
         store.put(KEY, DATA)
     assert list((tmp_path / "tmp").iterdir()) == []
@@ -94,6 +94,19 @@ def test_read_errors_are_unavailable(
         store.get(KEY)
     read.armed = False
     assert store.get(KEY) == DATA
+    # Lookups (headers) and loads (straight into KV) read with pread/preadv.
+    pread = Failing(err, os.pread)
+    monkeypatch.setattr(backends.os, "pread", pread)
+    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
+        store.peek([KEY], 10)
+    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
+        list(store.read_into([KEY], 10, [[memoryview(bytearray(990))]]))
+    pread.armed = False
+    target = bytearray(990)
+    assert list(store.read_into([KEY], 10, [[memoryview(target)]])) == [
+        (DATA[:10], len(DATA))
+    ]
+    assert bytes(target) == DATA[10:]
 
 
 def test_lock_errors_are_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -107,27 +120,28 @@ def test_lock_errors_are_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert store.lease([KEY], new_lease_id(), 60) == 1
 
 
-def test_store_errors_are_counted_and_logged_once(monkeypatch: pytest.MonkeyPatch):
-    from kvlc_store import connector
-    from kvlc_store.stats import StoreConnectorStats
+def test_store_errors_are_counted_and_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from kvlc_store import core
+    from kvlc_store.config import parse_config
 
     warnings: list[str] = []
     infos: list[str] = []
     monkeypatch.setattr(
-        connector.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+        core.logger, "warning", lambda msg, *a: warnings.append(msg % a)
     )
-    monkeypatch.setattr(connector.logger, "info", lambda msg, *a: infos.append(msg % a))
-    conn = connector.StoreConnector.__new__(connector.StoreConnector)
-    conn._stats = StoreConnectorStats()
-    conn._store_down = set()
+    monkeypatch.setattr(core.logger, "info", lambda msg, *a: infos.append(msg % a))
+    config = parse_config({"path": str(tmp_path)})
+    conn = core.StoreCore(config, DirectoryBackend(tmp_path, 10**6), "ident0", 1)
     full = BackendUnavailable("No space left on device")
     for _ in range(3):
-        conn._unavailable(full, "write")
-    conn._available("read")  # reads work: the write failure stands
-    conn._unavailable(BackendUnavailable("Input/output error"), "read")
+        conn.unavailable(full, "write")
+    conn.available("read")  # reads work: the write failure stands
+    conn.unavailable(BackendUnavailable("Input/output error"), "read")
     assert len(warnings) == 2
     assert "skipping saves" in warnings[0] and "running on misses" in warnings[1]
-    assert conn._stats.data["store_errors"] == 4
-    conn._available("write")
-    conn._unavailable(full, "write")  # failing again after a recovery: warn again
+    assert conn.stats.data["store_errors"] == 4
+    conn.available("write")
+    conn.unavailable(full, "write")  # failing again after a recovery: warn again
     assert len(infos) == 1 and len(warnings) == 3

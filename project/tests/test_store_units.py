@@ -7,8 +7,11 @@ Debian's ``redis-server`` for the Redis cases.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +23,13 @@ from kvlc_store.backends import (
     RedisBackend,
     new_lease_id,
 )
-from kvlc_store.chunk import ChunkError, decode_chunk, encode_chunk
+from kvlc_store.chunk import (
+    HEADER_BYTES,
+    ChunkError,
+    check_header,
+    decode_chunk,
+    encode_chunk,
+)
 from kvlc_store.config import parse_config, parse_size
 from redis_server import RedisServer, free_port, running_redis
 
@@ -63,6 +72,37 @@ def test_chunk_of_another_identity_or_key_is_refused():
     data = encode_chunk(IDENT, key(2), b"x" * 10)
     with pytest.raises(ChunkError, match="expected"):
         decode_chunk(data, IDENT, key(1))
+
+
+def format_2_chunk(identity: str, chunk_key: str, payload: bytes) -> bytes:
+    """A chunk as the connector wrote it before format 3 (length-prefixed
+    JSON header, CRC-32)."""
+    header = json.dumps(
+        {
+            "version": 2,
+            "identity": identity,
+            "key": chunk_key,
+            "payload_bytes": len(payload),
+            "crc32": zlib.crc32(payload),
+        },
+        sort_keys=True,
+    ).encode()
+    return b"KVLCCHK1" + struct.pack(">I", len(header)) + header + payload
+
+
+def test_old_format_chunk_is_refused_at_its_header():
+    data = format_2_chunk(IDENT, key(1), os.urandom(1000))
+    with pytest.raises(ChunkError, match="old chunk format"):
+        check_header(data[:HEADER_BYTES], IDENT, key(1), len(data))
+
+
+def test_header_check_reads_no_payload():
+    data = encode_chunk(IDENT, key(1), os.urandom(1000))
+    # A flipped payload byte passes the header check (the load's digest
+    # catches it), a shorter chunk does not.
+    check_header(data[:HEADER_BYTES], IDENT, key(1), len(data))
+    with pytest.raises(ChunkError, match="truncated payload"):
+        check_header(data[:HEADER_BYTES], IDENT, key(1), len(data) - 1)
 
 
 # ---------------------------------------------------------------- backends
@@ -109,6 +149,30 @@ def test_put_get_delete(make_backend):
     b.delete(key(1))
     assert b.get(key(1)) is None
     assert b.num_bytes() == 0
+
+
+def test_peek_and_read_into(make_backend):
+    b = make_backend(10**6)
+    values = {i: os.urandom(100) + bytes([i]) * 50 for i in range(1, 7)}
+    for i, v in values.items():
+        b.put(key(i), [v[:100], memoryview(v)[100:]])  # stored concatenated
+    b.put(key(9), b"short")
+    keys = [key(i) for i in (1, 2, 8, 3, 4, 5, 6, 9)]  # 8: not stored
+    heads = b.peek(keys, 100)
+    assert heads[2] is None
+    assert heads[0] == (values[1][:100], 150)
+    assert heads[-1] == (b"short", 5)
+    targets = [[bytearray(20), bytearray(30)] for _ in keys]
+    views = [[memoryview(t) for t in ts] for ts in targets]
+    got = list(b.read_into(keys, 100, views))
+    assert got == heads
+    for k, ts in zip((1, 2, None, 3, 4, 5, 6), targets, strict=False):
+        if k is None:
+            assert ts == [bytearray(20), bytearray(30)]
+        else:
+            assert bytes(ts[0] + ts[1]) == bytes([k]) * 50
+    # A value of another length leaves its targets alone.
+    assert targets[-1] == [bytearray(20), bytearray(30)]
 
 
 def test_lru_eviction_keeps_store_under_cap(make_backend):
@@ -172,11 +236,12 @@ def test_directory_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     b = DirectoryBackend(tmp_path / "store", CAP)
     real_write = os.write
 
-    def crash_midway(fd: int, data) -> int:
-        real_write(fd, bytes(data)[: len(data) // 2])
+    def crash_midway(fd: int, buffers) -> int:
+        data = b"".join(buffers)
+        real_write(fd, data[: len(data) // 2])
         raise OSError("disk gone")
 
-    monkeypatch.setattr(os, "write", crash_midway)
+    monkeypatch.setattr(os, "writev", crash_midway)
     with pytest.raises(BackendUnavailable, match="disk gone"):
         b.put(key(1), bytes(1000))
     monkeypatch.undo()

@@ -146,7 +146,8 @@ def ensure(root: Path) -> Path:
             "-r",
             str(root / MOONCAKE_REQUIREMENTS),
             "-e",
-            str(root / CONNECTOR),
+            # The redis extra: hiredis, redis-py's fast reply parser.
+            f"{root / CONNECTOR}[redis]",
             "-e",
             str(root / AIBRIX),
         ],

@@ -24,15 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+# A value to store: one bytes-like object, or parts to store concatenated.
+Data = bytes | memoryview | Sequence[bytes | memoryview]
+# What a read found of one key: its first bytes and its stored length.
+Head = tuple[bytes, int]
+
 LOW_WATERMARK = 0.9
+# Buffers per writev/preadv call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 512
 
 # Under vLLM's logger when the connector runs in a server (see connector.py).
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -47,14 +56,35 @@ class BackendUnavailable(Exception):
 class Backend(Protocol):
     """The storage interface the connector uses."""
 
-    def put(self, key: str, data: bytes) -> int:
-        """Store ``data`` under ``key`` (atomically: a reader sees all or
-        nothing) unless the key is already stored; return the number of
-        chunks evicted to stay under the cap."""
+    def put(self, key: str, data: Data) -> int:
+        """Store ``data`` (or its parts, concatenated) under ``key``
+        (atomically: a reader sees all or nothing) unless the key is already
+        stored; return the number of chunks evicted to stay under the cap."""
         ...
 
     def get(self, key: str) -> bytes | None:
         """The stored bytes of ``key`` (a use, for LRU), or None."""
+        ...
+
+    def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
+        """For each key, its first ``n`` bytes and its stored length, or
+        None if not stored. Not a use: a lookup checks headers with it."""
+        ...
+
+    def read_into(
+        self,
+        keys: Sequence[str],
+        head_bytes: int,
+        targets: Sequence[Sequence[memoryview]],
+    ) -> Generator[Head | None, None, None]:
+        """Read each key (a use): yield its first ``head_bytes`` bytes and
+        its stored length, with the rest of its value written into its
+        ``targets`` in order when the value is exactly ``head_bytes`` plus
+        their size (else the targets are left alone), or None if not stored.
+
+        Yields in key order as each key is done; a backend may fetch later
+        keys meanwhile, so the caller's work on one key overlaps the fetch of
+        the next ones."""
         ...
 
     def delete(self, key: str) -> None:
@@ -79,6 +109,12 @@ class Backend(Protocol):
 
 def new_lease_id() -> str:
     return uuid.uuid4().hex
+
+
+def _parts(data: Data) -> list[memoryview]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    return [memoryview(p).cast("B") for p in data]
 
 
 class DirectoryBackend:
@@ -176,21 +212,27 @@ class DirectoryBackend:
 
     # -- chunks -----------------------------------------------------------
 
-    def put(self, key: str, data: bytes) -> int:
-        return self._io(lambda: self._put(key, data))
+    def put(self, key: str, data: Data) -> int:
+        return self._io(lambda: self._put(key, _parts(data)))
 
-    def _put(self, key: str, data: bytes) -> int:
+    def _put(self, key: str, parts: list[memoryview]) -> int:
         path = self._path(key)
         if path.exists():
             return 0
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        size = sum(p.nbytes for p in parts)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            # Straight from the caller's buffers (the KV cache), no join.
+            left = [p for p in parts if p.nbytes]
+            while left:
+                n = os.writev(fd, left[:_IOV_MAX])
+                while left and n >= left[0].nbytes:
+                    n -= left[0].nbytes
+                    left.pop(0)
+                if n:
+                    left[0] = left[0][n:]
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -198,7 +240,7 @@ class DirectoryBackend:
         os.close(fd)
         os.replace(tmp, path)
         with self._locked():
-            total = self._read_size() + len(data)
+            total = self._read_size() + size
             if total <= self.capacity_bytes:
                 self._write_size(total)
                 return 0
@@ -216,6 +258,56 @@ class DirectoryBackend:
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)
         return data
+
+    def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
+        return self._io(lambda: [self._peek(key, n) for key in keys])
+
+    def _peek(self, key: str, n: int) -> Head | None:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.pread(fd, n, 0), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def read_into(
+        self,
+        keys: Sequence[str],
+        head_bytes: int,
+        targets: Sequence[Sequence[memoryview]],
+    ) -> Generator[Head | None, None, None]:
+        for key, into in zip(keys, targets, strict=True):
+            yield self._io(functools.partial(self._read_into, key, head_bytes, into))
+
+    def _read_into(
+        self, key: str, head_bytes: int, into: Sequence[memoryview]
+    ) -> Head | None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, head_bytes, 0)
+            want = sum(t.nbytes for t in into)
+            if size == head_bytes + want:
+                # Chunk files are never rewritten in place (see put), so
+                # a short read is a file system failing.
+                offset = head_bytes
+                for i in range(0, len(into), _IOV_MAX):
+                    batch = into[i : i + _IOV_MAX]
+                    n = os.preadv(fd, batch, offset)
+                    if n != sum(t.nbytes for t in batch):
+                        raise OSError(f"short read of {path} ({n} bytes)")
+                    offset += n
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+        return head, size
 
     def delete(self, key: str) -> None:
         return self._io(lambda: self._delete(key))
@@ -393,6 +485,18 @@ end
 return v
 """
 
+# Marks chunks just read as used (LRU), on the server's clock; sent with the
+# GETs of a read, in the same round trip.
+_LUA_TOUCH = """
+local ns = KEYS[1]
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+for i = 1, #ARGV do
+  redis.call('ZADD', ns .. ':lru', 'XX', now, ARGV[i])
+end
+return 0
+"""
+
 _LUA_DELETE = """
 local ns = KEYS[1]
 local ck = ns .. ':c:' .. ARGV[1]
@@ -442,7 +546,16 @@ class RedisBackend:
     reads and writes more than one of them is one Lua script, so it is atomic
     against other clients. Do not combine with a Redis ``maxmemory`` eviction
     policy: that would evict leased chunks.
+
+    Reads take no script for the values: ``peek`` is one pipeline of
+    ``GETRANGE``/``STRLEN`` for all keys, ``read_into`` pipelines ``GET``s
+    of ``READ_BATCH`` chunks (and one script that marks them used) per round
+    trip, and fetches the next batch on a thread while the caller works on
+    the current one. The client parses replies with ``hiredis`` when it is
+    installed (the ``redis`` extra installs it).
     """
+
+    READ_BATCH = 4
 
     def __init__(
         self,
@@ -464,6 +577,7 @@ class RedisBackend:
         self._delete = self._client.register_script(_LUA_DELETE)
         self._lease = self._client.register_script(_LUA_LEASE)
         self._release = self._client.register_script(_LUA_RELEASE)
+        self._prefetch: ThreadPoolExecutor | None = None
 
     def ping(self) -> None:
         self._call(self._client.ping)
@@ -477,14 +591,73 @@ class RedisBackend:
         ) as e:
             raise BackendUnavailable(f"redis: {e}") from e
 
-    def put(self, key: str, data: bytes) -> int:
+    def put(self, key: str, data: Data) -> int:
+        parts = _parts(data)
+        value = parts[0] if len(parts) == 1 else b"".join(parts)
         return int(
             self._call(
                 self._put,
                 keys=[self.namespace],
-                args=[key, data, self.capacity_bytes, LOW_WATERMARK],
+                args=[key, value, self.capacity_bytes, LOW_WATERMARK],
             )
         )
+
+    def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
+        if not keys:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            ck = f"{self.namespace}:c:{key}"
+            pipe.getrange(ck, 0, n - 1)
+            pipe.strlen(ck)
+        replies = self._call(pipe.execute)
+        heads: list[Head | None] = []
+        for i in range(len(keys)):
+            head, size = replies[2 * i], int(replies[2 * i + 1])
+            heads.append((bytes(head), size) if size else None)
+        return heads
+
+    def _fetch(self, keys: Sequence[str]) -> list[bytes | None]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(f"{self.namespace}:c:{key}")
+        pipe.eval(_LUA_TOUCH, 1, self.namespace, *keys)
+        replies = self._call(pipe.execute)
+        return list(replies[: len(keys)])
+
+    def read_into(
+        self,
+        keys: Sequence[str],
+        head_bytes: int,
+        targets: Sequence[Sequence[memoryview]],
+    ) -> Generator[Head | None, None, None]:
+        if len(keys) != len(targets):
+            raise ValueError("read_into: one list of targets per key")
+        batches = [
+            (i, keys[i : i + self.READ_BATCH])
+            for i in range(0, len(keys), self.READ_BATCH)
+        ]
+        if not batches:
+            return
+        if self._prefetch is None:
+            self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvlc-redis")
+        future = self._prefetch.submit(self._fetch, batches[0][1])
+        for b, (start, _) in enumerate(batches):
+            values = future.result()
+            if b + 1 < len(batches):
+                future = self._prefetch.submit(self._fetch, batches[b + 1][1])
+            for j, value in enumerate(values):
+                if value is None:
+                    yield None
+                    continue
+                view = memoryview(value)
+                into = targets[start + j]
+                if len(view) == head_bytes + sum(t.nbytes for t in into):
+                    offset = head_bytes
+                    for t in into:
+                        t[:] = view[offset : offset + t.nbytes]
+                        offset += t.nbytes
+                yield bytes(view[:head_bytes]), len(view)
 
     def get(self, key: str) -> bytes | None:
         value = self._call(self._get, keys=[self.namespace], args=[key])
@@ -512,5 +685,7 @@ class RedisBackend:
         return int(value or 0)
 
     def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True)
         with contextlib.suppress(Exception):
             self._client.close()

@@ -31,7 +31,7 @@ _KEYS = {
     "namespace": "prefix of every Redis key (redis backend)",
     "capacity": "store size cap, bytes or a size like '8GiB'",
     "lease_ttl_s": "seconds a lease lives if never released",
-    "verify_on_lookup": "checksum chunks when offering them (true/false)",
+    "verify_on_lookup": "check chunk headers when offering them (true/false)",
     "redis_timeout_s": "Redis connect/read timeout in seconds",
     "scheduler_lookup": "look up prompts when scheduling (true/false; false "
     "leaves every hit to the workers' before_update_states)",

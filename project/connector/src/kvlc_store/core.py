@@ -1,0 +1,140 @@
+"""What the scheduler side and the worker side of the connector share: the
+store, its identity and key scheme, counters, and how failures are told."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+from kvlc_store.backends import (
+    Backend,
+    BackendUnavailable,
+    DirectoryBackend,
+    RedisBackend,
+)
+from kvlc_store.chunk import FORMAT_VERSION, ChunkError
+from kvlc_store.config import StoreConfig
+from kvlc_store.stats import StoreConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Under vLLM's logger, so INFO lines get vLLM's handler and format; a logger
+# outside it has no handler and Python prints only its warnings.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """A digest of everything that makes stored KV usable by this server:
+    the chunk format, the model, its KV cache layout (per group: layers,
+    spec), the TP size, the block size and the block hash algorithm. Same on
+    the scheduler and every worker of a server, and on every server with the
+    same setup."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    groups = [
+        {"layers": list(g.layer_names), "spec": repr(g.kv_cache_spec)}
+        for g in kv_cache_config.kv_cache_groups
+    ]
+    described = {
+        # Chunks of another format live under other keys: never looked up.
+        "format": FORMAT_VERSION,
+        "model": model.model,
+        "revision": model.revision,
+        "dtype": str(model.dtype),
+        "block_size": cache.block_size,
+        "hash_algo": cache.prefix_caching_hash_algo,
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "groups": groups,
+    }
+    blob = json.dumps(described, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def make_backend(config: StoreConfig) -> Backend:
+    if config.backend == "redis":
+        assert config.redis_url is not None
+        return RedisBackend(
+            config.redis_url,
+            config.namespace,
+            config.capacity_bytes,
+            timeout_s=config.redis_timeout_s,
+        )
+    assert config.path is not None
+    return DirectoryBackend(config.path, config.capacity_bytes)
+
+
+class StoreCore:
+    """The store as both sides of the connector use it."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        backend: Backend,
+        identity: str,
+        tp_size: int,
+        stats: StoreConnectorStats | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.identity = identity
+        self.tp_size = tp_size
+        self.stats = stats if stats is not None else StoreConnectorStats()
+        self._warned: set[str] = set()
+        # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
+        # full disk stops saves while reads still hit.
+        self._store_down: set[str] = set()
+
+    def keys(self, block_hash: bytes) -> list[str]:
+        """The chunk key of ``block_hash`` for each TP rank."""
+        h = bytes(block_hash).hex()
+        return [f"{self.identity}/{h}.{r}" for r in range(self.tp_size)]
+
+    def warn_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
+
+    def unavailable(self, e: BackendUnavailable, what: str = "read") -> None:
+        """Count a failed store operation; warn once until it works again."""
+        self.stats.inc("store_errors")
+        if what not in self._store_down:
+            self._store_down.add(what)
+            consequence = "skipping saves" if what == "write" else "running on misses"
+            logger.warning(
+                "StoreConnector: store %s failed, %s until it works again: %s",
+                what,
+                consequence,
+                e,
+            )
+
+    def available(self, what: str = "read") -> None:
+        if what in self._store_down:
+            self._store_down.discard(what)
+            logger.info("StoreConnector: store %s works again", what)
+
+    def bad_chunk(self, key: str, error: ChunkError) -> None:
+        """A chunk that must not be used: count, warn once, delete it (the
+        request's own save then writes it again)."""
+        self.stats.inc("corrupt_chunks")
+        self.warn_once(
+            key, "StoreConnector: chunk %s unusable (%s); treated as a miss", key, error
+        )
+        with contextlib.suppress(BackendUnavailable):
+            self.backend.delete(key)
+
+    def release(self, lease_id: str, keys: Iterable[str], count: bool) -> None:
+        keys = list(keys)
+        try:
+            self.backend.release(keys, lease_id)
+        except BackendUnavailable as e:
+            self.unavailable(e)  # The lease expires on its own.
+        if count:
+            self.stats.inc("leases_released")

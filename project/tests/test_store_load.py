@@ -1,0 +1,119 @@
+"""StoreConnector's worker side over a real KV tensor and a real store,
+without an engine: a load reads each chunk once, straight into the KV cache,
+and a chunk damaged after the lookup checked its header fails at load, is
+deleted and reported as a load error (vLLM then recomputes the block).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from kvlc_store import core as core_module
+from kvlc_store.backends import DirectoryBackend, new_lease_id
+from kvlc_store.chunk import FORMAT_VERSION, HEADER_BYTES
+from kvlc_store.config import parse_config
+from kvlc_store.core import StoreCore, store_identity
+from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
+from kvlc_store.scheduler_side import SchedulerSide
+from kvlc_store.worker_side import WorkerSide
+
+IDENT = "ident0"
+NUM_BLOCKS = 6
+BLOCK = 4
+
+
+def kv_caches() -> dict[str, torch.Tensor]:
+    """Two layers in the ``[2, num_blocks * block, heads, dim]`` layout (K
+    and V apart, as vLLM's CPU backend has them), random bf16 content."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"layer.{i}": torch.randn(2, NUM_BLOCKS * BLOCK, 2, 8, generator=g).to(
+            torch.bfloat16
+        )
+        for i in range(2)
+    }
+
+
+def make(tmp_path: Path) -> tuple[StoreCore, WorkerSide, dict[str, torch.Tensor]]:
+    config = parse_config({"path": str(tmp_path / "store")})
+    core = StoreCore(config, DirectoryBackend(tmp_path / "store", 10**8), IDENT, 1)
+    worker = WorkerSide(core, BLOCK)
+    caches = kv_caches()
+    worker.register(caches, NUM_BLOCKS, 0)
+    return core, worker, caches
+
+
+def key(i: int) -> str:
+    return f"{IDENT}/{i:064x}.0"
+
+
+def block(caches: dict[str, torch.Tensor], b: int) -> list[torch.Tensor]:
+    return [kv[:, b * BLOCK : (b + 1) * BLOCK].clone() for kv in caches.values()]
+
+
+def test_save_then_load_into_other_blocks_is_exact(tmp_path: Path):
+    core, worker, caches = make(tmp_path)
+    saved = [block(caches, b) for b in (0, 1)]
+    worker.save(StoreMetadata(saves=[SaveSpec(0, [key(0)]), SaveSpec(1, [key(1)])]))
+    worker.start_load(
+        StoreMetadata(loads=[LoadSpec("r", None, [4, 5], [[key(0)], [key(1)]])])
+    )
+    assert worker.take_load_errors() == set()
+    for b, before in ((4, saved[0]), (5, saved[1])):
+        assert all(
+            torch.equal(x, y) for x, y in zip(block(caches, b), before, strict=True)
+        )
+    assert core.stats.data["loaded_bytes"] > 0
+
+
+def test_corruption_found_at_load_is_a_load_error(tmp_path: Path):
+    core, worker, caches = make(tmp_path)
+    worker.save(StoreMetadata(saves=[SaveSpec(b, [key(b)]) for b in (0, 1)]))
+    path = next(p for p in (tmp_path / "store" / "chunks").rglob(f"{1:064x}.0"))
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 7] ^= 0x01  # one payload bit: the header stays right
+    path.write_bytes(bytes(data))
+
+    # The lookup reads headers only: it offers both blocks.
+    scheduler = SchedulerSide(core, BLOCK, worker_hits=False, manager=lambda: None)
+    assert scheduler._checked_prefix([[key(0)], [key(1)]]) == 2
+    lease = new_lease_id()
+    assert core.backend.lease([key(0), key(1)], lease, 60) == 2
+
+    worker.start_load(
+        StoreMetadata(loads=[LoadSpec("r", lease, [3, 4], [[key(0)], [key(1)]])])
+    )
+    # Block 4 (the damaged chunk) fails; vLLM recomputes it from there.
+    assert worker.take_load_errors() == {4}
+    assert core.stats.data["corrupt_chunks"] == 1
+    assert core.stats.data["load_errors"] == 1
+    assert not path.exists()  # deleted: the recompute stores it again
+    assert core.backend.get(key(0)) is not None
+
+
+def test_kv_cache_off_the_host_goes_through_a_host_buffer(tmp_path: Path):
+    """The path of a KV cache on an accelerator (``on_host`` False), run on
+    host tensors: save from a staged copy, load through a host buffer."""
+    core, worker, caches = make(tmp_path)
+    worker.layout.on_host = False
+    saved = block(caches, 2)
+    worker.save(StoreMetadata(saves=[SaveSpec(2, [key(2)])]))
+    worker.start_load(StoreMetadata(loads=[LoadSpec("r", None, [5], [[key(2)]])]))
+    assert worker.take_load_errors() == set()
+    assert all(torch.equal(x, y) for x, y in zip(block(caches, 5), saved, strict=True))
+
+
+def test_chunks_of_another_format_live_under_other_keys(monkeypatch):
+    """The store identity (every key's prefix) includes the chunk format:
+    a server never looks up chunks an older connector wrote."""
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[])
+    now = store_identity(config, kv_cache_config)  # type: ignore[arg-type]
+    monkeypatch.setattr(core_module, "FORMAT_VERSION", FORMAT_VERSION - 1)
+    assert store_identity(config, kv_cache_config) != now  # type: ignore[arg-type]
