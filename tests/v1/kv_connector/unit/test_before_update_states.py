@@ -372,7 +372,8 @@ def test_hybrid_models_get_no_hit():
     assert worker.apply(so) is so
 
 
-def _min_worker(rank: int, port: int, results: Any, mode: str) -> None:
+def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> None:
+    ready.put(rank)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -409,23 +410,30 @@ def _min_worker(rank: int, port: int, results: Any, mode: str) -> None:
 
 
 def _run_two_ranks(mode: str) -> dict[int, Any]:
-    """Run _min_worker on two gloo ranks; a rank still running after the
-    timeout fails the test instead of hanging it."""
+    """Run _min_worker on two gloo ranks; a rank still running 120 s after
+    both started fails the test instead of hanging it. Starting (a spawned
+    interpreter importing vLLM) is not timed: on a loaded machine it alone
+    can take minutes."""
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    ready, results = ctx.Queue(), ctx.Queue()
     port = get_open_port()
     procs = [
-        ctx.Process(target=_min_worker, args=(r, port, results, mode)) for r in (0, 1)
+        ctx.Process(target=_min_worker, args=(r, port, ready, results, mode))
+        for r in (0, 1)
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    try:
+        started = [ready.get(timeout=240) for _ in procs]
+        assert sorted(started) == [0, 1]
+        deadline = time.monotonic() + 120
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0))
+    finally:
+        hung = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     assert not hung, f"ranks {hung} still waiting after 120 s"
     assert [p.exitcode for p in procs] == [0, 0]
     return dict(results.get(timeout=5) for _ in procs)
