@@ -42,16 +42,13 @@ def describe() -> str:
 
 
 def native_dtype() -> str:
-    """``bfloat16`` where vLLM's CPU kernels run it on AVX-512, else ``float32``.
+    """``bfloat16`` where the CPU computes it natively, else ``float32``.
 
-    Without AVX-512 (e.g. AMD before Zen 4) bf16 falls back to paths ~57x slower,
-    so a benchmark in bf16 there measures the fallback, not the system under
-    test. With AVX-512 but no AVX512-BF16 or AMX, bf16 still beats float32 (a
-    4096-token prefill of the TTFT model: 3 s in bf16, 20 s in float32 on the
-    2-core Xeon the project's results come from).
+    Without AVX512-BF16 or AMX, vLLM's CPU kernels convert bf16 on every op, so a
+    benchmark in bf16 there measures the conversion, not the system under test.
     """
     _, present = cpu()
-    return "bfloat16" if "avx512f" in present else "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(present) else "float32"
 
 
 if __name__ == "__main__":

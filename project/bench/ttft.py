@@ -719,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dtype",
         choices=("auto", "bfloat16", "float32"),
         default="auto",
-        help="auto: bfloat16 where the CPU has AVX-512, else float32",
+        help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32",
     )
     p.add_argument("--out", type=Path, default=DOCS)
     p.add_argument("--keep-logs", action="store_true", help="keep the server logs")
