@@ -15,7 +15,7 @@ Two ways, chosen once per worker:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -108,13 +108,8 @@ class BlockCopier:
                 "LCND", self.blocks_first,
             )  # fmt: skip
             return
-        first = first_token // self.block_ntokens
-        for i, block in enumerate(blocks):
-            for layer, (kv, dim) in enumerate(
-                zip(self.layers, self._dims, strict=False)
-            ):
-                view = kv.narrow(dim, block_ids[first + i], 1)
-                view.copy_(block[layer].reshape(view.shape))
+        for engine, cached in self._pairs(block_ids, first_token, blocks):
+            engine.copy_(cached.reshape(engine.shape))
 
     def save(
         self,
@@ -136,10 +131,21 @@ class BlockCopier:
                 "LCND", self.blocks_first,
             )  # fmt: skip
             return
+        for engine, cached in self._pairs(block_ids, first_token, blocks):
+            cached.copy_(engine.reshape(cached.shape))
+
+    def _pairs(
+        self,
+        block_ids: list[int],
+        first_token: int,
+        blocks: Sequence[torch.Tensor],
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer of each AIBrix block beside the engine block it mirrors
+        (a view into the KV cache): load and save copy the same pairs, in
+        opposite directions."""
         first = first_token // self.block_ntokens
         for i, block in enumerate(blocks):
             for layer, (kv, dim) in enumerate(
                 zip(self.layers, self._dims, strict=False)
             ):
-                view = kv.narrow(dim, block_ids[first + i], 1)
-                block[layer].copy_(view.reshape(block[layer].shape))
+                yield kv.narrow(dim, block_ids[first + i], 1), block[layer]
