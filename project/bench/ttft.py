@@ -89,6 +89,9 @@ SYSTEMS = ("store-dir", "store-redis", "mooncake", "lmcache", "recompute")
 PEERS = ("mooncake", "lmcache")
 OURS = ("store-dir", "store-redis")
 SPEEDUP_TARGET = 10.0
+# Issue 20's targets for the directory store.
+DIR_VS_MOONCAKE_TARGET = 0.85
+FLOOR_TAIL_TARGET = 1.3
 # Two systems whose reference recomputes differ by more than this factor ran
 # under different machine load: their hit times are not compared as a verdict.
 LOAD_SKEW = 1.5
@@ -548,6 +551,21 @@ def goals(analysis: dict[str, Any]) -> list[str]:
                     f" ms vs {ms(rows[peer]['recompute']['median_s'])} ms)"
                 )
             lines.append(line)
+        if name == "store-dir" and "mooncake" in peers:
+            ratio = hit_s / peers["mooncake"]
+            lines.append(
+                f"- `{name}` ≤{DIR_VS_MOONCAKE_TARGET}x `mooncake`'s hit: "
+                f"{'met' if ratio <= DIR_VS_MOONCAKE_TARGET else '**missed**'} "
+                f"(ratio {ratio:.2f})"
+            )
+        if name == "store-dir" and "floor_s" in row:
+            over = row["hit_over_floor_plus_tail"]
+            lines.append(
+                f"- `{name}` ≤{FLOOR_TAIL_TARGET}x (floor + tail compute): "
+                f"{'met' if over <= FLOOR_TAIL_TARGET else '**missed**'} ({over:.2f}x: "
+                f"{ms(hit_s)} ms vs {row['floor_s'] * 1e3:.1f} ms floor + "
+                f"{ms(row['tail']['median_s'])} ms for the tail measured beside it)"
+            )
     return lines
 
 
