@@ -8,7 +8,11 @@ Three servers on the demo model, each started once for the module:
   ``SHFS`` L2 in one shared directory; ``b`` is asked for a prompt only ``a``
   answered before;
 * ``tp2`` (TP=2, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``): L2 only, in its own
-  directory, so a test can take a block away from one rank.
+  directory, so a test can take a block away from one rank;
+* ``evicting`` (TP=1, L1 and its own L2): the connector subclass in
+  ``aibrix_evicting_connector.py``, which deletes a request's cache entries
+  between the lookup that pinned them and their load and then writes over
+  all the memory the cache has free.
 
 Local prefix caching is off on every server: ``cached_tokens`` counts only the
 hits the connector's workers reported from ``before_update_states`` and the
@@ -19,6 +23,7 @@ answer, computed by the engine with nothing loaded.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -49,10 +54,22 @@ KV = {
 }
 
 
-def start(name: str, root: Path, model: Path, l2: Path, tp: int = 1, l1: bool = True):
+def start(
+    name: str,
+    root: Path,
+    model: Path,
+    l2: Path,
+    tp: int = 1,
+    l1: bool = True,
+    kv: dict[str, str] = KV,
+):
     port = serve_demo.free_port()
-    command = serve_demo.server_command(model, port, KV)
+    command = serve_demo.server_command(model, port, kv)
     env = serve_demo.server_env()
+    # The test-only connector subclass lives beside this file.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), env.get("PYTHONPATH")) if p
+    )
     env.update(
         AIBRIX_KV_CACHE_OL_L1_CACHE_ENABLED="1" if l1 else "0",
         AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB="0.05",
@@ -164,6 +181,49 @@ def test_second_server_hits_what_the_first_stored(b: Engine, shared: dict[str, A
     hit = b.complete(prompt("shared"))
     assert hit.cached_tokens == 2 * BLOCK
     assert_same(hit, shared["miss"])
+
+
+@pytest.fixture(scope="module")
+def evicting(root: Path, model: Path, b: Engine) -> Iterator[Engine]:
+    kv = {
+        **KV,
+        "kv_connector": "EvictingAIBrixHookConnector",
+        "kv_connector_module_path": "aibrix_evicting_connector",
+    }
+    engine = start("evicting", root, model, root / "l2-evicting", kv=kv)
+    try:
+        yield engine
+    finally:
+        engine.server.stop()
+
+
+def test_eviction_between_lookup_and_load_still_loads_the_pinned_kv(
+    evicting: Engine, a: Engine
+):
+    text = prompt("evicted")
+    reference = a.complete(text)  # another server, nothing loaded
+    miss = evicting.complete(text)
+    assert miss.cached_tokens == 0
+    hit = evicting.complete(text)
+    # The hook pinned two blocks; by the load their entries were gone from
+    # L1 and L2 and all the cache's free memory written over: the pins still
+    # hold the stored KV, so the hit stands and the answer is the same.
+    assert hit.cached_tokens == 2 * BLOCK
+    log = evicting.server.log_text()
+    evictions = [
+        m.groups()
+        for m in re.finditer(
+            r"EVICTED (\d+) chunks .* wrote over (\d+) free cache blocks; "
+            r"a new lookup finds (\d+) tokens",
+            log,
+        )
+    ]
+    assert len(evictions) == 1, evictions
+    deleted, flooded, found = map(int, evictions[0])
+    assert deleted > 0 and flooded > 0 and found == 0, evictions
+    assert "Traceback" not in log
+    for answer in (miss, hit):
+        assert_same(answer, reference)
 
 
 @pytest.fixture(scope="module")
