@@ -1,11 +1,12 @@
 """Where a StoreConnector hit spends its time, outside vLLM: the store work of
 ``ttft.py``'s hit (32 chunks of one 128-token block of the Qwen2.5-0.5B-shape
-model, 1.5 MiB each: the prompt's last block is loaded too) and of its miss
+model, 1.5 MiB each in bf16: the prompt's last block is loaded too) and of its miss
 (32 chunks written), per backend.
 
 The steps are ``kvlc_store``'s own, on its backends, chunk format and worker
 side, over a KV cache of that model's shape in host memory (24 layers of
-``[2, blocks x 128, 2 heads, 64]`` bf16, as vLLM's CPU backend lays it out):
+``[2, blocks x 128, 2 heads, 64]``, as vLLM's CPU backend lays it out, in the
+dtype the TTFT bench serves on this CPU: bf16 with native bf16, else fp32):
 miss = the worker's save (digest, then write straight from the KV cache);
 scheduler lookup = ``lease`` + (with ``verify_on_lookup``, the default) the
 headers of every chunk (``peek`` + ``check_header``); worker load = read
@@ -14,9 +15,9 @@ straight into the KV cache, digest and release (``start_load_kv``).
 Run with the python of the vLLM install that has ``kvlc_store`` (Redis
 backend: Debian's ``redis-server`` on PATH)::
 
-    python store_hit_profile.py [--reps 5]
+    python store_hit_profile.py [--reps 5] [--dtype float32]
 
-Prints a table (median ms over ``--reps``) and then one JSON line.
+Prints the machine, a table (median ms over ``--reps``) and one JSON line.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.worker_side import WorkerSide
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from redis_server import running_redis  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 24, 2, 64, 128
@@ -62,7 +65,7 @@ class Timer:
         self.seconds.setdefault(name, []).append(time.perf_counter() - start)
 
 
-def profile(backend: Backend, reps: int) -> dict[str, list[float]]:
+def profile(backend: Backend, reps: int, dtype: torch.dtype) -> dict[str, list[float]]:
     timer = Timer()
     config = parse_config({"path": tempfile.gettempdir()})
     core = StoreCore(config, backend, IDENTITY, 1)
@@ -70,7 +73,7 @@ def profile(backend: Backend, reps: int) -> dict[str, list[float]]:
     num_blocks = MISS_CHUNKS + HIT_CHUNKS
     kv = {
         f"layer.{i:02d}": torch.randn(
-            2, num_blocks * BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16
+            2, num_blocks * BLOCK, HEADS, HEAD_DIM, dtype=dtype
         )
         for i in range(LAYERS)
     }
@@ -100,14 +103,24 @@ def profile(backend: Backend, reps: int) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: what ttft.py serves on this CPU (machine.native_dtype)",
+    )
     args = parser.parse_args(argv)
+    dtype_name = machine.native_dtype() if args.dtype == "auto" else args.dtype
+    dtype = getattr(torch, dtype_name)
+    chunk_mib = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * dtype.itemsize / 2**20
+    print(f"{machine.describe()}; KV {dtype_name}, {chunk_mib:.1f} MiB per chunk")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvlc-profile-") as tmp:
         directory = DirectoryBackend(Path(tmp) / "store", 8 << 30)
-        results["directory"] = profile(directory, args.reps)
+        results["directory"] = profile(directory, args.reps, dtype)
         with running_redis(Path(tmp) / "redis") as redis:
             backend = RedisBackend(redis.url, "kvlc", 8 << 30)
-            results["redis"] = profile(backend, args.reps)
+            results["redis"] = profile(backend, args.reps, dtype)
             backend.close()
     steps = list(results["directory"])
     print("| step | directory ms | redis ms |")
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in steps:
         cells = [statistics.median(results[b][name]) * 1e3 for b in results]
         print(f"| {name} | {cells[0]:.0f} | {cells[1]:.0f} |")
-    print(json.dumps(results))
+    print(json.dumps({"dtype": dtype_name, "seconds": results}))
     return 0
 
 
