@@ -29,12 +29,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "demo"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
 
 import machine  # noqa: E402
 import ttft  # noqa: E402
 from serve_demo import http, metric_sum  # noqa: E402
+from ttft_serve import (  # noqa: E402
+    MODEL_DIR,
+    backing_service,
+    first_token,
+    prompt,
+    serving,
+)
 
 # Engine steps: the sample count of vLLM's tokens-per-step histogram.
 STEPS = "vllm:iteration_tokens_total_count"
@@ -47,34 +53,34 @@ def main(argv: list[str] | None = None) -> int:
     dtype = machine.native_dtype()
     python = Path(sys.executable)
     subprocess.run(
-        [str(python), str(ttft.HERE / "bench_model.py"), str(ttft.MODEL_DIR)]
+        [str(python), str(Path(__file__).parent / "bench_model.py"), str(MODEL_DIR)]
         + ["--dtype", dtype],
         check=True,
     )
     print(f"{machine.describe()}; {dtype}", flush=True)
     # Every prompt's KV at once: 8 x 4096 tokens are 0.4 GB in bf16, 0.8 in fp32.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    prompts = [ttft.prompt(500 + i) for i in range(args.prompts)]
+    prompts = [prompt(500 + i) for i in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="kvlc-ttft-queue-") as tmp:
         scratch = Path(tmp)
         with (
-            ttft.backing_service("store-redis", scratch / "redis", python) as system,
-            ttft.serving(system, scratch, dtype) as (url, _),
+            backing_service("store-redis", scratch / "redis", python) as system,
+            serving(system, scratch, dtype) as (url, _),
         ):
-            ttft.first_token(url, ttft.prompt(1500, ttft.WARMUP_TOKENS))
+            first_token(url, prompt(1500, ttft.WARMUP_TOKENS))
             misses = []
             for ids in prompts:
                 time.sleep(ttft.PAUSE_S)
-                misses.append(ttft.first_token(url, ids))
+                misses.append(first_token(url, ids))
             time.sleep(ttft.PAUSE_S)
             steps_before = metric_sum(http(f"{url}/metrics"), STEPS) or 0.0
             start = time.perf_counter()
             with ThreadPoolExecutor(len(prompts)) as pool:
-                burst = list(pool.map(lambda ids: ttft.first_token(url, ids), prompts))
+                burst = list(pool.map(lambda ids: first_token(url, ids), prompts))
             burst_s = time.perf_counter() - start
             steps = (metric_sum(http(f"{url}/metrics"), STEPS) or 0.0) - steps_before
             time.sleep(ttft.PAUSE_S)
-            alone = ttft.first_token(url, prompts[0])
+            alone = first_token(url, prompts[0])
     for i, shot in enumerate(burst):
         print(
             f"repeat {i}: TTFT {shot.ttft_s * 1e3:.0f} ms, cached "
