@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +34,9 @@ import machine  # noqa: E402
 import ttft  # noqa: E402
 from serve_demo import http, metric_sum  # noqa: E402
 from ttft_serve import (  # noqa: E402
-    MODEL_DIR,
     backing_service,
     first_token,
+    make_model,
     prompt,
     serving,
 )
@@ -52,11 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = machine.native_dtype()
     python = Path(sys.executable)
-    subprocess.run(
-        [str(python), str(Path(__file__).parent / "bench_model.py"), str(MODEL_DIR)]
-        + ["--dtype", dtype],
-        check=True,
-    )
+    make_model(python, dtype)
     print(f"{machine.describe()}; {dtype}", flush=True)
     # Every prompt's KV at once: 8 x 4096 tokens are 0.4 GB in bf16, 0.8 in fp32.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

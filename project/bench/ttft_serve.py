@@ -108,6 +108,29 @@ class System:
     prefix_caching: bool = False
 
 
+def make_model(python: Path, dtype: str) -> None:
+    """Generate the bench model into ``MODEL_DIR`` with ``python`` (a vLLM
+    environment); ``bench_model.py`` leaves a complete one untouched."""
+    subprocess.run(
+        [str(python), str(HERE / "bench_model.py"), str(MODEL_DIR), "--dtype", dtype],
+        check=True,
+    )
+
+
+def store_system(name: str, python: Path, extra: dict[str, Any]) -> System:
+    """The reference ``StoreConnector`` with ``extra`` as its own config."""
+    return System(
+        name,
+        python,
+        {
+            "kv_connector": "StoreConnector",
+            "kv_connector_module_path": "kvlc_store",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        },
+    )
+
+
 def serve_command(system: System, model: Path, port: int, dtype: str) -> list[str]:
     command = [str(system.python.parent / "vllm"), "serve", str(model)]
     command += [
@@ -182,32 +205,13 @@ def backing_service(name: str, scratch: Path, python: Path) -> Iterator[System]:
     elif name == "resident":
         yield System(name, python, None, prefix_caching=True)
     elif name == "store-dir":
-        yield System(
-            name,
-            python,
-            {
-                "kv_connector": "StoreConnector",
-                "kv_connector_module_path": "kvlc_store",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"path": str(scratch / "kv-store")},
-            },
-        )
+        yield store_system(name, python, {"path": str(scratch / "kv-store")})
     elif name == "store-redis":
         redis = RedisServer(scratch / "redis")
         redis.start()
         try:
-            yield System(
-                name,
-                python,
-                {
-                    "kv_connector": "StoreConnector",
-                    "kv_connector_module_path": "kvlc_store",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {
-                        "backend": "redis",
-                        "redis_url": redis.url,
-                    },
-                },
+            yield store_system(
+                name, python, {"backend": "redis", "redis_url": redis.url}
             )
         finally:
             redis.stop()
