@@ -1,19 +1,24 @@
-"""TTFT of concurrent repeats: the baseline a prefetch for waiting requests
-(issue 20, item 4) would have to beat.
+"""TTFT of a queue of concurrent repeats, with and without the reference
+connector's prefetch for waiting requests (issue 20, item 4).
 
-Serves the TTFT bench's model (``ttft.py``: Qwen2.5-0.5B shape, the dtype this
-CPU runs natively) with the reference ``StoreConnector`` on a local Redis,
-stores ``--prompts`` different 4096-token prompts (one request each, one after
-the other), then sends all their repeats at once and times each one's first
-token. It also times one repeat alone, after the burst, and reads from the
-server's ``/metrics`` how many engine steps scheduled the burst's prompts
-(``vllm:iteration_tokens_total``'s count): a prefetch can only hide a fetch
-behind time a request spends waiting in the queue, so if the whole burst is
-scheduled in one step there is no such time.
+Serves the TTFT bench's model (``ttft.py``: Qwen2.5-0.5B shape, the dtype
+this CPU runs natively) twice on one local Redis: the reference
+``StoreConnector`` as it is, and with ``prefetch_buffer`` set. Both admit
+``--max-num-seqs`` requests at once (1 by default), so a burst of concurrent
+requests queues in the scheduler, where the connector sees it. (Requests that
+arrive while a step runs wait in the engine's input queue, which no connector
+sees; with vLLM's default admission a burst of hits is scheduled whole in the
+next step and nothing waits in the scheduler: run with ``--max-num-seqs 256``
+to see that case.)
+
+Stores ``--prompts`` different 4096-token prompts (one request each, one
+after the other), then sends all their repeats at once, ``--rounds`` times to
+each server in turn, and times each one's first token; then one repeat alone
+on each. Prints the machine, the per-round means and one JSON line; with
+``--out`` also writes ``ttft_queue.json`` and ``ttft_queue.md`` there.
 
 Run with ``.venv/bin/python project/bench/ttft_queue.py`` on a quiet machine
-(needs ``redis-server``); prints the machine, the per-request TTFTs and one
-JSON line.
+(needs ``redis-server``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
 
@@ -34,6 +41,8 @@ import machine  # noqa: E402
 import ttft  # noqa: E402
 from serve_demo import http, metric_sum  # noqa: E402
 from ttft_serve import (  # noqa: E402
+    Shot,
+    System,
     backing_service,
     first_token,
     make_model,
@@ -41,13 +50,57 @@ from ttft_serve import (  # noqa: E402
     serving,
 )
 
-# Engine steps: the sample count of vLLM's tokens-per-step histogram.
-STEPS = "vllm:iteration_tokens_total_count"
+GOAL = 1.5  # issue 20: mean TTFT with prefetch at least 1.5x better
+PREFETCH_BUFFER = "2GiB"  # every prompt's chunks at once, in float32 too
+COUNTERS = (
+    "vllm:kvlc_store_prefetched_bytes_total",
+    "vllm:kvlc_store_prefetch_loaded_bytes_total",
+    "vllm:kvlc_store_loaded_bytes_total",
+)
+
+
+def burst(url: str, prompts: list[list[int]]) -> list[Shot]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: first_token(url, ids), prompts))
+
+
+def counters(url: str) -> dict[str, float]:
+    text = http(f"{url}/metrics")
+    return {name: metric_sum(text, name) or 0.0 for name in COUNTERS}
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [
+        f"Machine: {result['machine']}; {result['dtype']}; "
+        f"--max-num-seqs {result['max_num_seqs']}; {result['prompts']} concurrent "
+        f"4096-token repeats on Redis, {result['rounds']} rounds per server.",
+        "",
+        "| server | mean TTFT per round (ms) | mean (ms) | one repeat alone (ms) |",
+        "|---|---|---|---|",
+    ]
+    for name in ("plain", "prefetch"):
+        means = result[name]["round_means_s"]
+        rows.append(
+            f"| {name} | {', '.join(f'{m * 1e3:.0f}' for m in means)} | "
+            f"{statistics.mean(means) * 1e3:.0f} | "
+            f"{result[name]['alone_s'] * 1e3:.0f} |"
+        )
+    rows += [
+        "",
+        f"Prefetch: {result['ratio']:.2f}x better mean TTFT (goal {GOAL}x: "
+        f"{'met' if result['ratio'] >= GOAL else 'missed'}); "
+        f"{result['from_buffer_share'] * 100:.0f}% of the prefetch server's "
+        "loaded bytes came from the buffer.",
+    ]
+    return "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=1)
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     dtype = machine.native_dtype()
     python = Path(sys.executable)
@@ -56,51 +109,86 @@ def main(argv: list[str] | None = None) -> int:
     # Every prompt's KV at once: 8 x 4096 tokens are 0.4 GB in bf16, 0.8 in fp32.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     prompts = [prompt(500 + i) for i in range(args.prompts)]
-    with tempfile.TemporaryDirectory(prefix="kvlc-ttft-queue-") as tmp:
+    admit = ["--max-num-seqs", str(args.max_num_seqs)]
+    shots: dict[str, list[list[Shot]]] = {"plain": [], "prefetch": []}
+    alone: dict[str, Shot] = {}
+    with tempfile.TemporaryDirectory(prefix="kvlc-ttft-queue-") as tmp, ExitStack() as stack:
         scratch = Path(tmp)
-        with (
-            backing_service("store-redis", scratch / "redis", python) as system,
-            serving(system, scratch, dtype) as (url, _),
-        ):
+        redis = stack.enter_context(
+            backing_service("store-redis", scratch / "redis", python)
+        )
+        assert redis.kv_config is not None
+        extra = redis.kv_config["kv_connector_extra_config"]
+        systems = {
+            "plain": System("plain", python, redis.kv_config, serve_args=admit),
+            "prefetch": System(
+                "prefetch",
+                python,
+                {
+                    **redis.kv_config,
+                    "kv_connector_extra_config": {
+                        **extra,
+                        "prefetch_buffer": PREFETCH_BUFFER,
+                    },
+                },
+                serve_args=admit,
+            ),
+        }
+        urls = {
+            name: stack.enter_context(serving(system, scratch, dtype))[0]
+            for name, system in systems.items()
+        }
+        for url in urls.values():
             first_token(url, prompt(1500, ttft.WARMUP_TOKENS))
-            misses = []
-            for ids in prompts:
+        for ids in prompts:
+            time.sleep(ttft.PAUSE_S)
+            first_token(urls["plain"], ids)  # stores it: a miss
+        before = counters(urls["prefetch"])
+        for r in range(args.rounds):
+            order = ("plain", "prefetch") if r % 2 == 0 else ("prefetch", "plain")
+            for name in order:
                 time.sleep(ttft.PAUSE_S)
-                misses.append(first_token(url, ids))
+                shots[name].append(burst(urls[name], prompts))
+                mean = statistics.mean(s.ttft_s for s in shots[name][-1])
+                print(f"round {r} {name}: mean TTFT {mean * 1e3:.0f} ms", flush=True)
+        after = counters(urls["prefetch"])
+        for name, url in urls.items():
             time.sleep(ttft.PAUSE_S)
-            steps_before = metric_sum(http(f"{url}/metrics"), STEPS) or 0.0
-            start = time.perf_counter()
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                burst = list(pool.map(lambda ids: first_token(url, ids), prompts))
-            burst_s = time.perf_counter() - start
-            steps = (metric_sum(http(f"{url}/metrics"), STEPS) or 0.0) - steps_before
-            time.sleep(ttft.PAUSE_S)
-            alone = first_token(url, prompts[0])
-    for i, shot in enumerate(burst):
-        print(
-            f"repeat {i}: TTFT {shot.ttft_s * 1e3:.0f} ms, cached "
-            f"{shot.cached_tokens}/{shot.prompt_tokens}"
-        )
-    mean = statistics.mean(s.ttft_s for s in burst)
-    miss_s = [s.ttft_s for s in misses]
-    print(
-        f"{len(burst)} concurrent repeats: mean TTFT {mean * 1e3:.0f} ms, all done "
-        f"in {burst_s * 1e3:.0f} ms, {steps:.0f} engine steps; one repeat alone "
-        f"{alone.ttft_s * 1e3:.0f} ms; a miss {statistics.mean(miss_s):.1f} s"
-    )
-    print(
-        json.dumps(
-            {
-                "machine": machine.describe(),
-                "dtype": dtype,
-                "burst_ttft_s": [s.ttft_s for s in burst],
-                "burst_cached": [s.cached_tokens for s in burst],
-                "burst_s": burst_s,
-                "steps": steps,
-                "alone_ttft_s": alone.ttft_s,
+            alone[name] = first_token(url, prompts[0])
+    grew = {k: after[k] - before[k] for k in COUNTERS}
+    for name, rounds in shots.items():
+        uncached = [s for b in rounds for s in b if s.cached_tokens < s.prompt_tokens - 1]
+        if uncached:
+            raise RuntimeError(f"{name}: {len(uncached)} repeats missed the store")
+    result: dict[str, Any] = {
+        "machine": machine.describe(),
+        "dtype": dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "prompts": args.prompts,
+        "rounds": args.rounds,
+        **{
+            name: {
+                "round_means_s": [statistics.mean(s.ttft_s for s in b) for b in rounds],
+                "ttft_s": [[s.ttft_s for s in b] for b in rounds],
+                "alone_s": alone[name].ttft_s,
             }
-        )
+            for name, rounds in shots.items()
+        },
+        "prefetch_counters": grew,
+    }
+    plain = statistics.mean(result["plain"]["round_means_s"])
+    with_prefetch = statistics.mean(result["prefetch"]["round_means_s"])
+    result["ratio"] = plain / with_prefetch
+    loaded = grew["vllm:kvlc_store_loaded_bytes_total"]
+    result["from_buffer_share"] = (
+        grew["vllm:kvlc_store_prefetch_loaded_bytes_total"] / loaded if loaded else 0.0
     )
+    print(table(result), end="")
+    print(json.dumps(result))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ttft_queue.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "ttft_queue.md").write_text(table(result))
     return 0
 
 

@@ -106,6 +106,8 @@ class System:
     kv_config: dict[str, Any] | None
     env: dict[str, str] = field(default_factory=dict)
     prefix_caching: bool = False
+    # More ``vllm serve`` options, e.g. ``--max-num-seqs``.
+    serve_args: list[str] = field(default_factory=list)
 
 
 def make_model(python: Path, dtype: str) -> None:
@@ -149,7 +151,7 @@ def serve_command(system: System, model: Path, port: int, dtype: str) -> list[st
     )
     if system.kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(system.kv_config)]
-    return command
+    return command + system.serve_args
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:

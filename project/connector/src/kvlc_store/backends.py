@@ -117,6 +117,36 @@ def _parts(data: Data) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in data]
 
 
+def read_chunk_file(
+    path: Path, head_bytes: int, into: Sequence[memoryview]
+) -> Head | None:
+    """Read the chunk file at ``path``: its first ``head_bytes`` bytes, and
+    the rest straight into ``into`` when the lengths match (``read_into``'s
+    contract). None if there is no such file; other ``OSError`` as raised.
+
+    Chunk files are written to a temporary name and renamed into place,
+    never rewritten, so a short read is a file system failing.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, head_bytes, 0)
+        if size == head_bytes + sum(t.nbytes for t in into):
+            offset = head_bytes
+            for i in range(0, len(into), _IOV_MAX):
+                batch = into[i : i + _IOV_MAX]
+                n = os.preadv(fd, batch, offset)
+                if n != sum(t.nbytes for t in batch):
+                    raise OSError(f"short read of {path} ({n} bytes)")
+                offset += n
+    finally:
+        os.close(fd)
+    return head, size
+
+
 class DirectoryBackend:
     """Chunks as files under a directory, shared by every process that opens
     the same path on one machine (or a shared file system with working
@@ -285,29 +315,11 @@ class DirectoryBackend:
         self, key: str, head_bytes: int, into: Sequence[memoryview]
     ) -> Head | None:
         path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, head_bytes, 0)
-            want = sum(t.nbytes for t in into)
-            if size == head_bytes + want:
-                # Chunk files are never rewritten in place (see put), so
-                # a short read is a file system failing.
-                offset = head_bytes
-                for i in range(0, len(into), _IOV_MAX):
-                    batch = into[i : i + _IOV_MAX]
-                    n = os.preadv(fd, batch, offset)
-                    if n != sum(t.nbytes for t in batch):
-                        raise OSError(f"short read of {path} ({n} bytes)")
-                    offset += n
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)
-        return head, size
+        head = read_chunk_file(path, head_bytes, into)
+        if head is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
+        return head
 
     def delete(self, key: str) -> None:
         return self._io(lambda: self._delete(key))

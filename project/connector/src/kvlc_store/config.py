@@ -39,6 +39,9 @@ _KEYS = {
     "prefix caching)",
     "offload_window_blocks": "lazy offload: how many blocks at the eviction end "
     "of the free queue to keep stored ('auto' or a number)",
+    "prefetch_buffer": "shared memory for the chunks of waiting requests, "
+    "fetched before they are scheduled (bytes or a size like '1GiB'; 0, the "
+    "default, is off)",
 }
 
 # Keys of kv_connector_extra_config that vLLM itself reads: allowed, ignored.
@@ -72,6 +75,7 @@ class StoreConfig:
     offload: str
     # None: the blocks one step may allocate (see StoreConnector).
     offload_window_blocks: int | None
+    prefetch_buffer_bytes: int = 0
 
 
 def parse_size(value: object) -> int | None:
@@ -91,6 +95,11 @@ def parse_size(value: object) -> int | None:
 def _positive_size(value: object) -> int | None:
     size = parse_size(value)
     return size if size is not None and size > 0 else None
+
+
+def _size(value: object) -> int | None:
+    size = parse_size(value)
+    return size if size is not None and size >= 0 else None
 
 
 def _one_of(*choices: str) -> Callable[[object], str | None]:
@@ -186,6 +195,20 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         _window,
         "set a positive number of blocks, or 'auto'",
     )
+    prefetch_buffer = setting(
+        "prefetch_buffer",
+        0,
+        _size,
+        "set a size in bytes or like '1GiB' (0 turns prefetch off)",
+    )
+
+    if prefetch_buffer and not scheduler_lookup:
+        bad(
+            "prefetch_buffer",
+            extra.get("prefetch_buffer"),
+            "prefetch serves the scheduler's lookups, which scheduler_lookup "
+            "= false turns off; set it to 0 or scheduler_lookup to true",
+        )
 
     namespace = extra.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not re.fullmatch(
@@ -241,6 +264,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         scheduler_lookup=scheduler_lookup,
         offload=offload,
         offload_window_blocks=None if window == "auto" else window,
+        prefetch_buffer_bytes=prefetch_buffer,
     )
 
 

@@ -52,6 +52,7 @@ from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore, logger, make_backend, store_identity
 from kvlc_store.metadata import Offer, StoreMetadata
 from kvlc_store.offload import LazyOffload, SavedBlocks
+from kvlc_store.prefetch import Prefetcher
 from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.stats import StoreConnectorStats, StorePromMetrics
 from kvlc_store.worker_side import WorkerSide
@@ -141,6 +142,10 @@ class StoreConnector(KVConnectorBase_V1):
             HAS_WORKER_HITS,
             lambda: self._kv_cache_manager,
         )
+        if role == KVConnectorRole.SCHEDULER and config.prefetch_buffer_bytes:
+            self._scheduler.prefetcher = Prefetcher(
+                make_backend(config), config.prefetch_buffer_bytes, self._core.stats
+            )
         self._worker = WorkerSide(self._core, self._block_size)
         logger.info(
             "StoreConnector (%s) on %s backend, identity %s; stack hooks: "
@@ -186,6 +191,8 @@ class StoreConnector(KVConnectorBase_V1):
         )
 
     def shutdown(self) -> None:
+        if self._scheduler.prefetcher is not None:
+            self._scheduler.prefetcher.close()
         self._core.backend.close()
 
     # ------------------------------------------------------------------
@@ -239,6 +246,7 @@ class StoreConnector(KVConnectorBase_V1):
 
     def bind_scheduler_context(self, scheduler_context: Any) -> None:
         """Stack entry 3: the scheduler's typed view of its KV cache."""
+        self._scheduler.context = scheduler_context
         if self._config.offload == "lazy":
             scheduler = self._vllm_config.scheduler_config
             window = self._config.offload_window_blocks or 2 * -(

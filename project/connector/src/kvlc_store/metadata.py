@@ -32,6 +32,8 @@ class LoadSpec:
     lease_id: str | None
     block_ids: list[int]
     keys: list[list[str]]
+    # Leading blocks whose chunks the prefetch buffer holds (prefetch.py).
+    num_buffered: int = 0
 
 
 @dataclass
@@ -58,3 +60,5 @@ class StoreMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     probes: list[ProbeSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # The scheduler side's prefetch buffer, when prefetch is on.
+    buffer_dir: str | None = None

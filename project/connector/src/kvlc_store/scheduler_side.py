@@ -7,6 +7,10 @@ the step's metadata, the rest of the lease is released at once. The prompt's
 last full block is offered too, for one token less than it holds: vLLM
 computes the prompt's last token in any case, so a hit covers up to
 ``prompt length - 1`` tokens and the load fills that block whole.
+
+With a prefetch buffer (``prefetch.py``), the requests still waiting after a
+step have their stored chunks copied into it meanwhile, and a load reads the
+blocks the buffer holds from there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from kvlc_store.chunk import HEADER_BYTES, ChunkError, check_header
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, Offer, ProbeSpec, SaveSpec, StoreMetadata
 from kvlc_store.offload import LazyOffload
+from kvlc_store.prefetch import Prefetcher
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -49,11 +54,17 @@ class SchedulerSide:
         self._worker_hits = worker_hits
         self._manager = manager
         self.lazy: LazyOffload | None = None
+        self.prefetcher: Prefetcher | None = None
+        # The stack's SchedulerContext, once bound: skips blocks the prefix
+        # cache holds when prefetching.
+        self.context: Any = None
         self.requests: dict[str, Request] = {}
         self._pending: dict[str, Offer] = {}  # legacy path: offered, not taken
         self._loads: list[LoadSpec] = []
         self._loaded_until: dict[str, int] = {}  # blocks known to be stored
         self._saved_until: dict[str, int] = {}
+        self._scheduled: set[str] = set()  # scheduled at least once
+        self._prefetching: set[str] = set()  # handed to the prefetcher
 
     # -- lookups ----------------------------------------------------------
 
@@ -142,6 +153,10 @@ class SchedulerSide:
         if rest:
             core.release(offer.lease_id, rest, count=False)
         first = offer.start_block
+        keys = offer.keys[:num_blocks]
+        buffered = 0
+        if self.prefetcher is not None:
+            buffered = self.prefetcher.take(request.request_id, keys)
         # Whole blocks, the last one too when the hit ends inside it: its
         # slots past the hit are the request's own next tokens (the block's
         # hash covers them), which the forward then writes again.
@@ -150,7 +165,8 @@ class SchedulerSide:
                 req_id=request.request_id,
                 lease_id=offer.lease_id,
                 block_ids=list(block_ids[first : first + num_blocks]),
-                keys=offer.keys[:num_blocks],
+                keys=keys,
+                num_buffered=buffered,
             )
         )
         self._loaded_until[request.request_id] = first + num_blocks
@@ -191,6 +207,9 @@ class SchedulerSide:
         meta = StoreMetadata(loads=self._loads)
         self._loads = []
         loading = {spec.req_id for spec in meta.loads}
+        if self.prefetcher is not None:
+            meta.buffer_dir = str(self.prefetcher.dir)
+            self._prefetch(scheduler_output, loading)
         steps: list[tuple[str, int, bool]] = [
             (r.req_id, r.num_computed_tokens, True)
             for r in scheduler_output.scheduled_new_reqs
@@ -256,6 +275,33 @@ class SchedulerSide:
             )
         return meta
 
+    def _prefetch(self, scheduler_output: SchedulerOutput, loading: set[str]) -> None:
+        """Hand the requests still waiting after this step to the prefetcher
+        (oldest first); drop the prefetched chunks of those scheduled without
+        a load (their prefix was found locally, or is no longer stored)."""
+        prefetcher, bs = self.prefetcher, self._block_size
+        assert prefetcher is not None
+        prefetcher.step()
+        for new in scheduler_output.scheduled_new_reqs:
+            self._scheduled.add(new.req_id)
+            if new.req_id not in loading:
+                prefetcher.release(new.req_id)
+        for req_id, request in self.requests.items():
+            if req_id in self._scheduled or req_id in self._prefetching:
+                continue
+            self._prefetching.add(req_id)
+            end = min(len(request.block_hashes), request.num_tokens // bs)
+            start = 0
+            if self.context is not None:
+                while start < end and (
+                    self.context.get_cached_block(request.block_hashes[start], 0)
+                    is not None
+                ):
+                    start += 1
+            prefetcher.want(
+                req_id, [self._core.keys(h) for h in request.block_hashes[start:end]]
+            )
+
     def on_load_errors(self, invalid_block_ids: set[int]) -> None:
         """Blocks whose load failed (a chunk that failed its checksum, now
         deleted): vLLM recomputes them (``kv_load_failure_policy:
@@ -280,5 +326,9 @@ class SchedulerSide:
         if stale is not None:
             self.abort(stale)
         self.requests.pop(req_id, None)
+        self._scheduled.discard(req_id)
+        self._prefetching.discard(req_id)
+        if self.prefetcher is not None:
+            self.prefetcher.release(req_id)
         self._loaded_until.pop(req_id, None)
         self._saved_until.pop(req_id, None)

@@ -38,6 +38,10 @@ COUNTERS: dict[str, str] = {
     "store_errors": "Store operations that failed (unreachable, full, I/O error).",
     "leases_taken": "Leases taken on offered chunks.",
     "leases_released": "Leases released (loaded or aborted).",
+    "prefetched_bytes": "Chunk bytes copied into the prefetch buffer for "
+    "waiting requests.",
+    "prefetch_loaded_bytes": "Chunk bytes loaded from the prefetch buffer "
+    "instead of the store.",
 }
 
 

@@ -7,6 +7,10 @@ chunk that fails is deleted and its block reported through
 ``get_block_ids_with_load_errors``, so vLLM recomputes it
 (``kv_load_failure_policy: recompute``) instead of using it. A save writes
 the block's bytes straight from the KV cache after the chunk's header.
+
+Blocks the scheduler side prefetched are read from its buffer
+(``prefetch.py``) the same way; a chunk missing or damaged there is read
+from the store instead.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlc_store.backends import BackendUnavailable, Head, new_lease_id
+from kvlc_store.backends import Backend, BackendUnavailable, Head, new_lease_id
 from kvlc_store.chunk import (
     HEADER_BYTES,
     ChunkError,
@@ -28,6 +32,7 @@ from kvlc_store.chunk import (
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import SaveSpec, StoreMetadata
 from kvlc_store.offload import SavedBlocks
+from kvlc_store.prefetch import BufferReader
 from kvlc_store.transfer import BlockLayout, bytes_view
 
 
@@ -67,12 +72,18 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------
 
     def _read(
-        self, block_ids: Sequence[int], keys: Sequence[str]
+        self,
+        block_ids: Sequence[int],
+        keys: Sequence[str],
+        buffer: BufferReader | None = None,
     ) -> Iterator[tuple[int, str, bool | None]]:
         """Read ``keys`` into ``block_ids`` in order and check each; yield
         (block id, key, True if loaded / False if damaged / None if not
-        stored). Stops early if the store fails."""
+        stored). Stops early if the store fails. From ``buffer`` instead of
+        the store if given: a damaged chunk there is None (the store's copy
+        may be fine), and nothing is deleted."""
         core, layout = self._core, self.layout
+        source: Backend | BufferReader = core.backend if buffer is None else buffer
         if layout.on_host:
             targets = [layout.segments(b) for b in block_ids]
             stagings: list[torch.Tensor] = []
@@ -81,7 +92,7 @@ class WorkerSide:
                 torch.empty(layout.block_bytes, dtype=torch.uint8) for _ in block_ids
             ]
             targets = [[bytes_view(s)] for s in stagings]
-        reads = core.backend.read_into(keys, HEADER_BYTES, targets)
+        reads = source.read_into(keys, HEADER_BYTES, targets)
         try:
             for i, head in enumerate(_guarded(reads, core)):
                 block_id, key = block_ids[i], keys[i]
@@ -92,12 +103,17 @@ class WorkerSide:
                     header = check_header(head[0], core.identity, key, head[1])
                     check_payload(header, targets[i])
                 except ChunkError as e:
+                    if buffer is not None:
+                        yield block_id, key, None
+                        continue
                     core.bad_chunk(key, e)
                     yield block_id, key, False
                     continue
                 if stagings:
                     layout.unstage(block_id, stagings[i])
                 core.stats.inc("loaded_bytes", head[1])
+                if buffer is not None:
+                    core.stats.inc("prefetch_loaded_bytes", head[1])
                 yield block_id, key, True
         finally:
             reads.close()
@@ -107,7 +123,21 @@ class WorkerSide:
         for spec in meta.loads:
             keys = [keys[self.rank] for keys in spec.keys]
             done: set[int] = set()
-            for block_id, _, ok in self._read(spec.block_ids, keys):
+            from_store = list(zip(spec.block_ids, keys, strict=True))
+            if spec.num_buffered and meta.buffer_dir is not None:
+                n = spec.num_buffered
+                buffer = BufferReader(meta.buffer_dir)
+                for block_id, _, ok in self._read(
+                    spec.block_ids[:n], keys[:n], buffer
+                ):
+                    if ok:
+                        done.add(block_id)
+                # What the buffer lacked is read from the store.
+                from_store = [(b, k) for b, k in from_store[:n] if b not in done]
+                from_store += list(zip(spec.block_ids[n:], keys[n:], strict=True))
+            for block_id, _, ok in self._read(
+                [b for b, _ in from_store], [k for _, k in from_store]
+            ):
                 if ok:
                     done.add(block_id)
             for block_id in spec.block_ids:

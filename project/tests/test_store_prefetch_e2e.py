@@ -1,0 +1,100 @@
+"""StoreConnector's prefetch end to end: ``vllm serve`` on the CPU build with
+a Redis store and ``prefetch_buffer`` set, admitting one request at a time
+(``--max-num-seqs 1``), so concurrent requests wait in the scheduler's queue.
+
+Four prompts are stored one after the other, then their repeats are sent at
+once: each waits behind the ones before it while its chunks are prefetched,
+hits the store for everything but its last token, loads from the buffer and
+answers the same greedy tokens as its miss. When the last one is done the
+buffer is empty, and it holds nothing after the server stopped. (vLLM's
+shutdown SIGKILLs the engine core, so the empty directory may stay until the
+next server on the machine starts and removes it: ``test_store_prefetch``.)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+from kvlc_store.prefetch import DIR_PREFIX
+from redis_server import RedisServer
+from test_store_connector_e2e import (
+    BLOCK,
+    Engine,
+    assert_same_output,
+    kv_config,
+    prompt,
+)
+
+sys.path.insert(0, str(REPO / "project" / "demo"))
+import serve_demo  # noqa: E402
+from make_model import make_model  # noqa: E402
+
+SHM = Path("/dev/shm")
+
+
+def buffers() -> set[Path]:
+    return set(SHM.glob(f"{DIR_PREFIX}*")) if SHM.is_dir() else set()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm: the buffer goes to the temporary directory")
+    root = tmp_path_factory.mktemp("prefetch-e2e")
+    model = make_model(root / "model")
+    redis = RedisServer(root / "redis")
+    redis.start()
+    before = buffers()
+    extra = {
+        "backend": "redis",
+        "redis_url": redis.url,
+        "prefetch_buffer": "16MiB",
+        "check_external_match_lifecycle": True,
+    }
+    port = serve_demo.free_port()
+    command = serve_demo.server_command(model, port, kv_config(extra))
+    command += ["--max-num-seqs", "1"]
+    server = serve_demo.Server(command, serve_demo.server_env(), root / "server.log")
+    engine = Engine("prefetch", server, port)
+    try:
+        engine.server.wait_healthy(engine.url, timeout=600)
+        (buffer,) = buffers() - before
+        yield {"engine": engine, "buffer": buffer}
+    finally:
+        server.stop()
+        redis.stop()
+    left = list(buffer.iterdir()) if buffer.exists() else []
+    assert left == [], "the server left chunks in its prefetch buffer"
+
+
+def test_waiting_repeats_load_from_the_buffer_and_leave_it_empty(setup):
+    engine: Engine = setup["engine"]
+    texts = [prompt(f"queued {i}") for i in range(4)]
+    misses = [engine.complete(t) for t in texts]
+    before = engine.store_metrics()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        hits = list(pool.map(engine.complete, texts))
+    after = engine.store_metrics()
+
+    for hit, miss in zip(hits, misses, strict=True):
+        assert miss.cached_tokens == 0
+        assert hit.cached_tokens == 2 * BLOCK
+        assert_same_output(hit, miss)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    # The first repeat is scheduled at once; the others waited (8 decode
+    # steps each, at one request at a time) and were prefetched meanwhile.
+    assert grew("vllm:kvlc_store_prefetched_bytes_total") > 0
+    loaded = grew("vllm:kvlc_store_loaded_bytes_total")
+    from_buffer = grew("vllm:kvlc_store_prefetch_loaded_bytes_total")
+    assert 0.5 * loaded <= from_buffer < loaded
+    assert after["vllm:kvlc_store_leases_open"] == 0
+    assert list(setup["buffer"].iterdir()) == []
