@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     admit = ["--max-num-seqs", str(args.max_num_seqs)]
     shots: dict[str, list[list[Shot]]] = {"plain": [], "prefetch": []}
     alone: dict[str, Shot] = {}
-    with tempfile.TemporaryDirectory(prefix="kvlc-ttft-queue-") as tmp, ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvlc-ttft-queue-") as tmp,
+        ExitStack() as stack,
+    ):
         scratch = Path(tmp)
         redis = stack.enter_context(
             backing_service("store-redis", scratch / "redis", python)
@@ -157,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             alone[name] = first_token(url, prompts[0])
     grew = {k: after[k] - before[k] for k in COUNTERS}
     for name, rounds in shots.items():
-        uncached = [s for b in rounds for s in b if s.cached_tokens < s.prompt_tokens - 1]
+        uncached = [
+            s for b in rounds for s in b if s.cached_tokens < s.prompt_tokens - 1
+        ]
         if uncached:
             raise RuntimeError(f"{name}: {len(uncached)} repeats missed the store")
     result: dict[str, Any] = {

@@ -59,12 +59,15 @@ class Server:
         self.scheduler.prefetcher = self.prefetcher
 
     def block(self, b: int) -> list[torch.Tensor]:
-        return [kv[:, b * BLOCK : (b + 1) * BLOCK].clone() for kv in self.caches.values()]
+        return [
+            kv[:, b * BLOCK : (b + 1) * BLOCK].clone() for kv in self.caches.values()
+        ]
 
     def store(self, hashes: Sequence[bytes], from_blocks: Sequence[int]) -> None:
         """Save KV blocks ``from_blocks`` as the chunks of ``hashes``."""
         saves = [
-            SaveSpec(b, self.core.keys(h)) for h, b in zip(hashes, from_blocks, strict=True)
+            SaveSpec(b, self.core.keys(h))
+            for h, b in zip(hashes, from_blocks, strict=True)
         ]
         self.worker.save(StoreMetadata(saves=saves))
 
@@ -145,7 +148,9 @@ def test_waiting_request_loads_from_the_buffer(server: Server):
     assert meta.buffer_dir == str(server.prefetcher.dir)
     assert server.worker.take_load_errors() == set()
     for b, before in zip((6, 7, 8), saved, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(server.block(b), before, strict=True))
+        assert all(
+            torch.equal(x, y) for x, y in zip(server.block(b), before, strict=True)
+        )
     stats = server.core.stats.data
     assert stats["prefetch_loaded_bytes"] == stats["loaded_bytes"] > 0
     assert stats["prefetched_bytes"] == 3 * chunk_bytes(server)
@@ -202,7 +207,9 @@ def test_request_that_leaves_the_queue_drops_its_chunks(server: Server):
 
     server.scheduler.finished(x)  # aborted while waiting
     # The shared prefix stays for y; x's own block goes.
-    names = {chunk_file_name(k[0]) for k in map(server.core.keys, shared + hashes("y", 1))}
+    names = {
+        chunk_file_name(k[0]) for k in map(server.core.keys, shared + hashes("y", 1))
+    }
     assert set(server.files()) == names
     server.scheduler.finished(y)
     assert server.files() == []
@@ -276,7 +283,9 @@ def test_damaged_or_missing_buffer_chunk_is_read_from_the_store(server: Server):
     server.schedule(r, [4, 5])
     assert server.worker.take_load_errors() == set()
     for b, before in zip((4, 5), saved, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(server.block(b), before, strict=True))
+        assert all(
+            torch.equal(x, y) for x, y in zip(server.block(b), before, strict=True)
+        )
     stats = server.core.stats.data
     assert stats.get("corrupt_chunks", 0) == 0  # the store's chunks are fine
     assert stats.get("prefetch_loaded_bytes", 0) == 0
@@ -306,7 +315,9 @@ def test_buffer_of_a_dead_process_is_removed_and_close_removes_its_own(
     prefetcher = Prefetcher(
         DirectoryBackend(store, 10**8),
         10**6,
-        StoreCore(parse_config({"path": str(store)}), DirectoryBackend(store, 10**8), IDENT, 1).stats,
+        StoreCore(
+            parse_config({"path": str(store)}), DirectoryBackend(store, 10**8), IDENT, 1
+        ).stats,
         root=root,
     )
     assert not dead.exists()

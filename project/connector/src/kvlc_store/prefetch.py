@@ -79,7 +79,9 @@ class BufferReader:
     ) -> Generator[Head | None, None, None]:
         for key, into in zip(keys, targets, strict=True):
             try:
-                yield read_chunk_file(self._dir / chunk_file_name(key), head_bytes, into)
+                yield read_chunk_file(
+                    self._dir / chunk_file_name(key), head_bytes, into
+                )
             except OSError:
                 yield None
 
@@ -251,9 +253,11 @@ class Prefetcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (nxt := self._next_block()) is None:
+                nxt = None if self._stopping else self._next_block()
+                while nxt is None and not self._stopping:
                     self._cond.wait()
-                if self._stopping:
+                    nxt = None if self._stopping else self._next_block()
+                if nxt is None:
                     return
                 req_id, job, missing = nxt
             try:

@@ -127,9 +127,7 @@ class WorkerSide:
             if spec.num_buffered and meta.buffer_dir is not None:
                 n = spec.num_buffered
                 buffer = BufferReader(meta.buffer_dir)
-                for block_id, _, ok in self._read(
-                    spec.block_ids[:n], keys[:n], buffer
-                ):
+                for block_id, _, ok in self._read(spec.block_ids[:n], keys[:n], buffer):
                     if ok:
                         done.add(block_id)
                 # What the buffer lacked is read from the store.
