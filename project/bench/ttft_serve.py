@@ -27,6 +27,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "project" / "demo"))
 sys.path.insert(0, str(ROOT / "project" / "tests"))
 
+from mooncake_master import mooncake_master  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from serve_demo import Server, free_port, server_env  # noqa: E402
 
@@ -219,31 +220,7 @@ def backing_service(name: str, scratch: Path, python: Path) -> Iterator[System]:
             redis.stop()
     elif name == "mooncake":
         master = python.parent / "mooncake_master"
-        http_port, rpc_port, metrics_port = (free_port() for _ in range(3))
-        command = [
-            str(master),
-            "-enable_http_metadata_server=true",
-            f"-http_metadata_server_port={http_port}",
-            "-http_metadata_server_host=127.0.0.1",
-            f"-rpc_port={rpc_port}",
-            f"-metrics_port={metrics_port}",
-        ]
-        log = scratch / "mooncake_master.log"
-        with daemon(command, log, rpc_port, "mooncake_master") as proc:
-            wait_port(http_port, proc, "mooncake_master's metadata server")
-            config = scratch / "mooncake.json"
-            config.write_text(
-                json.dumps(
-                    {
-                        "metadata_server": f"http://127.0.0.1:{http_port}/metadata",
-                        "master_server_address": f"127.0.0.1:{rpc_port}",
-                        "protocol": "tcp",
-                        "device_name": "",
-                        "global_segment_size": "512MB",
-                        "local_buffer_size": "128MB",
-                    }
-                )
-            )
+        with mooncake_master(master, scratch) as config:
             yield System(
                 name,
                 python,

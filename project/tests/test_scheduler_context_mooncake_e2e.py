@@ -19,7 +19,6 @@ import ctypes.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from mooncake_master import mooncake_master
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
 
@@ -56,18 +56,6 @@ def prerequisites() -> tuple[str | None, str]:
     return found, ""
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"mooncake_master did not listen on {port} in {timeout} s")
-
-
 @pytest.fixture
 def mooncake_config(tmp_path: Path) -> Iterator[Path]:
     master, missing = prerequisites()
@@ -75,47 +63,8 @@ def mooncake_config(tmp_path: Path) -> Iterator[Path]:
         if os.environ.get("KVLC_REQUIRE_E2E") == "1":
             pytest.fail(f"KVLC_REQUIRE_E2E=1 but {missing}")
         pytest.skip(missing)
-    http_port, rpc_port, metrics_port = (serve_demo.free_port() for _ in range(3))
-    log = (tmp_path / "mooncake_master.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            master,
-            "-enable_http_metadata_server=true",
-            f"-http_metadata_server_port={http_port}",
-            "-http_metadata_server_host=127.0.0.1",
-            f"-rpc_port={rpc_port}",
-            f"-metrics_port={metrics_port}",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        wait_port(rpc_port, proc, 30)
-        wait_port(http_port, proc, 30)
-        config = tmp_path / "mooncake.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "metadata_server": f"http://127.0.0.1:{http_port}/metadata",
-                    "master_server_address": f"127.0.0.1:{rpc_port}",
-                    "protocol": "tcp",
-                    "device_name": "",
-                    "global_segment_size": "512MB",
-                    "local_buffer_size": "128MB",
-                }
-            )
-        )
+    with mooncake_master(master, tmp_path) as config:
         yield config
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def complete(base_url: str) -> dict[str, Any]:
