@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT / "project" / "demo"))
 sys.path.insert(0, str(ROOT / "project" / "tests"))
 
 from mooncake_master import mooncake_master  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+from redis_server import RedisServer, wait_port  # noqa: E402
 from serve_demo import Server, free_port, server_env  # noqa: E402
 
 MODEL_DIR = ROOT / "build" / "bench-model-qwen2.5-0.5b-shape"
@@ -153,18 +152,6 @@ def serve_command(system: System, model: Path, port: int, dtype: str) -> list[st
     if system.kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(system.kv_config)]
     return command + system.serve_args
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not listen on {port} in 60 s")
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:

@@ -7,25 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from redis_server import free_port
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"mooncake_master did not listen on {port} in {timeout} s")
+from redis_server import free_port, wait_port
 
 
 @contextlib.contextmanager
@@ -50,8 +36,8 @@ def mooncake_master(master: Path | str, workdir: Path) -> Iterator[Path]:
             start_new_session=True,
         )
         try:
-            _wait_port(rpc_port, proc, 30)
-            _wait_port(http_port, proc, 30)
+            wait_port(rpc_port, proc, "mooncake_master", 30)
+            wait_port(http_port, proc, "mooncake_master's metadata server", 30)
             config = workdir / "mooncake.json"
             config.write_text(
                 json.dumps(

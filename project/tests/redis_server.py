@@ -1,5 +1,6 @@
 """A throwaway redis-server for the StoreConnector tests (Debian's
-``redis-server`` package), on a free loopback port, with persistence off."""
+``redis-server`` package), on a free loopback port, with persistence off;
+and the loopback-port helpers the other throwaway servers use."""
 
 from __future__ import annotations
 
@@ -18,6 +19,22 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def wait_port(
+    port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60
+) -> None:
+    """Wait until ``proc`` (``what``) listens on loopback ``port``; raise if
+    it exits first or does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not listen on {port} in {timeout:g} s")
 
 
 class RedisServer:

@@ -24,6 +24,7 @@ from kvlc_store.core import StoreCore
 from kvlc_store.metadata import SaveSpec, StoreMetadata
 from kvlc_store.prefetch import DIR_PREFIX, Prefetcher, chunk_file_name
 from kvlc_store.scheduler_side import SchedulerSide
+from kvlc_store.stats import StoreConnectorStats
 from kvlc_store.worker_side import WorkerSide
 
 IDENT = "ident0"
@@ -119,7 +120,7 @@ def hashes(tag: str, n: int) -> list[bytes]:
 
 def arrive(server: Server, *requests: Any) -> None:
     for r in requests:
-        server.scheduler.requests[r.request_id] = r  # on_new_request
+        server.scheduler.arrived(r)  # on_new_request
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -311,13 +312,10 @@ def test_buffer_of_a_dead_process_is_removed_and_close_removes_its_own(
     dead = root / f"{DIR_PREFIX}999999999-abc"  # no such pid
     dead.mkdir()
     (dead / "chunk").write_bytes(b"x")
-    store = tmp_path / "store"
     prefetcher = Prefetcher(
-        DirectoryBackend(store, 10**8),
+        DirectoryBackend(tmp_path / "store", 10**8),
         10**6,
-        StoreCore(
-            parse_config({"path": str(store)}), DirectoryBackend(store, 10**8), IDENT, 1
-        ).stats,
+        StoreConnectorStats(),
         root=root,
     )
     assert not dead.exists()

@@ -200,7 +200,7 @@ class StoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        self._scheduler.requests[request.request_id] = request
+        self._scheduler.arrived(request)
 
     # Legacy pair (vLLM without the explicit lifecycle).
 

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,7 @@ class Prefetcher:
         self._used = 0
         self._fetched_bytes = 0  # for stats, counted by the thread
         self._step = 0
-        self._loaded: list[tuple[int, str]] = []  # (step, request id)
+        self._loaded: deque[tuple[int, str]] = deque()  # (step, request id)
         self._stopping = False
         self._thread = threading.Thread(
             target=self._run, name="kvlc-prefetch", daemon=True
@@ -188,7 +189,7 @@ class Prefetcher:
         with self._cond:
             self._step += 1
             while self._loaded and self._loaded[0][0] <= self._step - HOLD_STEPS:
-                self._release(self._loaded.pop(0)[1])
+                self._release(self._loaded.popleft()[1])
             fetched, self._fetched_bytes = self._fetched_bytes, 0
         self._stats.inc("prefetched_bytes", fetched)
 
@@ -234,7 +235,7 @@ class Prefetcher:
     def _next_block(self) -> tuple[str, _Job, list[str]] | None:
         """The first block to fetch: the next block of the earliest waiting
         request that has one, taking the block's chunks already in the buffer
-        for it. None if there is none, or it has to wait for space."""
+        for it. None if there is none."""
         for req_id, job in self._jobs.items():
             while not job.done and job.next_block < len(job.keys):
                 block = job.keys[job.next_block]

@@ -63,8 +63,14 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._loaded_until: dict[str, int] = {}  # blocks known to be stored
         self._saved_until: dict[str, int] = {}
-        self._scheduled: set[str] = set()  # scheduled at least once
-        self._prefetching: set[str] = set()  # handed to the prefetcher
+        # Prefetch: arrived since the last step, not yet handed over.
+        self._arrivals: dict[str, Request] = {}
+
+    def arrived(self, request: Request) -> None:
+        """vLLM added ``request`` to the scheduler's queue."""
+        self.requests[request.request_id] = request
+        if self.prefetcher is not None:
+            self._arrivals[request.request_id] = request
 
     # -- lookups ----------------------------------------------------------
 
@@ -283,13 +289,11 @@ class SchedulerSide:
         assert prefetcher is not None
         prefetcher.step()
         for new in scheduler_output.scheduled_new_reqs:
-            self._scheduled.add(new.req_id)
+            self._arrivals.pop(new.req_id, None)
             if new.req_id not in loading:
                 prefetcher.release(new.req_id)
-        for req_id, request in self.requests.items():
-            if req_id in self._scheduled or req_id in self._prefetching:
-                continue
-            self._prefetching.add(req_id)
+        arrivals, self._arrivals = self._arrivals, {}
+        for req_id, request in arrivals.items():
             end = min(len(request.block_hashes), request.num_tokens // bs)
             start = 0
             if self.context is not None:
@@ -326,8 +330,7 @@ class SchedulerSide:
         if stale is not None:
             self.abort(stale)
         self.requests.pop(req_id, None)
-        self._scheduled.discard(req_id)
-        self._prefetching.discard(req_id)
+        self._arrivals.pop(req_id, None)
         if self.prefetcher is not None:
             self.prefetcher.release(req_id)
         self._loaded_until.pop(req_id, None)
