@@ -117,7 +117,11 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     trial_root: Path, pristine: Path, tmp_path: Path
 ):
     out = trial_root / "build" / "export"
+    # Export builds its trees from hard links to the pristine tree.
+    patched = pristine / "vllm" / "v1" / "core" / "sched" / "output.py"
+    pristine_text = patched.read_bytes()
     assert wb(trial_root, "export").returncode == 0
+    assert patched.read_bytes() == pristine_text
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     assert list(first) == ["0001-trial.patch"]
     mail = first["0001-trial.patch"].decode()

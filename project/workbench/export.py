@@ -82,7 +82,7 @@ def format_patches(repo: Path) -> list[bytes]:
 def am_onto_base(mails: list[bytes], source: Path, scratch: Path) -> str:
     """``git am`` the mails onto a fresh pristine tree; return the resulting tree id."""
     repo = scratch / "am"
-    init_base(repo, source)
+    init_base(repo, source, link=True)
     git(repo, "reset", "--quiet", "--hard", "stack")
     if mails:
         git(repo, "am", "--quiet", "--keep", "--keep-cr", input=b"".join(mails))
@@ -111,7 +111,7 @@ def export(
             ),
         )
         repo = Path(tmp) / "stack"
-        build_repo(stack, repo, source=source, trailers=False)
+        build_repo(stack, repo, source=source, trailers=False, link=True)
         mails = format_patches(repo)
         if len(mails) != len(stack.entries):
             raise WorkbenchError(

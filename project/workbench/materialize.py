@@ -7,7 +7,9 @@ fixed identity and date, so the same stack always gives the same hashes.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -34,10 +36,16 @@ def base_message(source: Path) -> str:
     )
 
 
-def init_base(repo: Path, source: Path) -> str:
-    """Create ``repo`` holding a copy of ``source`` as its base commit."""
-    shutil.copytree(source, repo, symlinks=True)
+def init_base(repo: Path, source: Path, *, link: bool = False) -> str:
+    """Create ``repo`` holding a copy of ``source`` as its base commit.
+
+    ``link``: hard-link the files instead of copying them, for a throwaway
+    repository nobody edits (``export``'s): GNU patch and git replace a file
+    they change instead of writing into it, so ``source`` stays as it was,
+    but an editor may write into a linked file."""
+    copy_tree(source, repo, link=link)
     git(repo, "init", "--quiet", "--initial-branch=stack")
+    seeded = seed_objects(repo, source)
     # Edits made here are PR messages in markdown: keep '#' lines.
     git(repo, "config", "commit.cleanup", "whitespace")
     # -f: the sdist ships .gitignore files that would hide some of its own files.
@@ -45,7 +53,67 @@ def init_base(repo: Path, source: Path) -> str:
     base = commit_tree(repo, base_message(source), None)
     git(repo, "update-ref", BASE_REF, base)
     git(repo, "update-ref", "refs/heads/stack", base)
+    if not seeded:
+        remember_objects(repo, source)
     return base
+
+
+def copy_tree(source: Path, dest: Path, *, link: bool = False) -> None:
+    """``cp -a`` (``-al`` to hard-link): faster than ``shutil.copytree``, a
+    Python loop of copy2 and copystat over the release's ~15,000 files."""
+    dest.mkdir(parents=True)
+    flags = "-al" if link else "-a"
+    result = subprocess.run(
+        ["cp", flags, f"{source}/.", str(dest)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise WorkbenchError(f"copying {source} to {dest}: {result.stderr.strip()}")
+
+
+def _objects_cache(source: Path) -> Path | None:
+    """Where the pack of ``source``'s objects is kept: for trees in the
+    workbench's cache (the pristine release) only."""
+    cache = upstream.cache_dir().resolve()
+    source = source.resolve()
+    if not source.is_relative_to(cache):
+        return None
+    return (
+        cache / "git-objects" / source.relative_to(cache).as_posix().replace("/", "_")
+    )
+
+
+def seed_objects(repo: Path, source: Path) -> bool:
+    """Hard-link the kept pack of ``source``'s objects into ``repo``, so
+    ``git add`` finds every file's blob there instead of writing ~15,000
+    loose objects (most of a base commit's time). The pack only saves work:
+    a file it lacks (the tree changed) is written as usual. False if none is
+    kept."""
+    kept = _objects_cache(source)
+    if kept is None or not kept.is_dir():
+        return False
+    pack_dir = repo / ".git" / "objects" / "pack"
+    for f in kept.iterdir():
+        try:
+            os.link(f, pack_dir / f.name)
+        except OSError:  # another file system
+            shutil.copy2(f, pack_dir / f.name)
+    return True
+
+
+def remember_objects(repo: Path, source: Path) -> None:
+    """Keep the pack of ``repo``'s base commit for ``seed_objects``."""
+    kept = _objects_cache(source)
+    if kept is None or kept.exists():
+        return
+    git(repo, "repack", "-a", "-d", "-q")
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{kept.name}-", dir=kept.parent))
+    for f in (repo / ".git" / "objects" / "pack").iterdir():
+        shutil.copy2(f, staging / f.name)
+    try:
+        staging.rename(kept)
+    except OSError:  # another process kept it first
+        shutil.rmtree(staging)
 
 
 def apply_entry(
@@ -93,11 +161,17 @@ def describe_failure(entry: Entry, patch_output: str) -> str:
 
 
 def build_repo(
-    stack: Stack, repo: Path, *, source: Path | None = None, trailers: bool = True
+    stack: Stack,
+    repo: Path,
+    *,
+    source: Path | None = None,
+    trailers: bool = True,
+    link: bool = False,
 ) -> str:
-    """Create ``repo`` (must not exist): base commit, then one commit per entry."""
+    """Create ``repo`` (must not exist): base commit, then one commit per
+    entry. ``link``: as for ``init_base``."""
     source = source or upstream.pristine_tree()
-    head = init_base(repo, source)
+    head = init_base(repo, source, link=link)
     for entry in stack.entries:
         head = apply_entry(repo, stack, entry, head, trailers)
         print(f"  applied {entry.name}")
