@@ -1,15 +1,16 @@
 """TTFT of a queue of concurrent repeats, with and without the reference
-connector's prefetch for waiting requests (issue 20, item 4).
+connector's ways of loading waiting requests ahead (issue 20, item 4).
 
 Serves the TTFT bench's model (``ttft.py``: Qwen2.5-0.5B shape, the dtype
-this CPU runs natively) twice on one local Redis: the reference
-``StoreConnector`` as it is, and with ``prefetch_buffer`` set. Both admit
-``--max-num-seqs`` requests at once (1 by default), so a burst of concurrent
-requests queues in the scheduler, where the connector sees it. (Requests that
-arrive while a step runs wait in the engine's input queue, which no connector
-sees; with vLLM's default admission a burst of hits is scheduled whole in the
-next step and nothing waits in the scheduler: run with ``--max-num-seqs 256``
-to see that case.)
+this CPU runs natively) three times on one local Redis: the reference
+``StoreConnector`` as it is (``plain``), with ``prefetch_buffer`` set
+(``prefetch``: waiting requests' chunks copied into a local buffer) and with
+``load_async`` (``async``: hits loaded into their own blocks beside the steps
+of other requests). All admit ``--max-num-seqs`` requests at once (vLLM's
+default if not given). With 1, a burst of concurrent requests queues in the
+scheduler, where the prefetcher sees it; with vLLM's default admission a
+burst of hits is scheduled whole in one step, which loads them all before
+any of them computes, unless the loads are asynchronous.
 
 Stores ``--prompts`` different 4096-token prompts (one request each, one
 after the other), then sends all their repeats at once, ``--rounds`` times to
@@ -52,6 +53,12 @@ from ttft_serve import (  # noqa: E402
 
 GOAL = 1.5  # issue 20: mean TTFT with prefetch at least 1.5x better
 PREFETCH_BUFFER = "2GiB"  # every prompt's chunks at once, in float32 too
+# Server name -> what it adds to the plain server's connector settings.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "prefetch": {"prefetch_buffer": PREFETCH_BUFFER},
+    "async": {"load_async": True},
+}
 COUNTERS = (
     "vllm:kvlc_store_prefetched_bytes_total",
     "vllm:kvlc_store_prefetch_loaded_bytes_total",
@@ -70,28 +77,32 @@ def counters(url: str) -> dict[str, float]:
 
 
 def table(result: dict[str, Any]) -> str:
+    admission = result["max_num_seqs"] or "vLLM's default"
     rows = [
         f"Machine: {result['machine']}; {result['dtype']}; "
-        f"--max-num-seqs {result['max_num_seqs']}; {result['prompts']} concurrent "
+        f"--max-num-seqs {admission}; {result['prompts']} concurrent "
         f"4096-token repeats on Redis, {result['rounds']} rounds per server.",
         "",
         "| server | mean TTFT per round (ms) | mean (ms) | one repeat alone (ms) |",
         "|---|---|---|---|",
     ]
-    for name in ("plain", "prefetch"):
+    for name in VARIANTS:
         means = result[name]["round_means_s"]
         rows.append(
             f"| {name} | {', '.join(f'{m * 1e3:.0f}' for m in means)} | "
             f"{statistics.mean(means) * 1e3:.0f} | "
             f"{result[name]['alone_s'] * 1e3:.0f} |"
         )
-    rows += [
-        "",
-        f"Prefetch: {result['ratio']:.2f}x better mean TTFT (goal {GOAL}x: "
-        f"{'met' if result['ratio'] >= GOAL else 'missed'}); "
-        f"{result['from_buffer_share'] * 100:.0f}% of the prefetch server's "
-        "loaded bytes came from the buffer.",
-    ]
+    rows.append("")
+    for name, ratio in result["ratios"].items():
+        rows.append(
+            f"- {name}: {ratio:.2f}x better mean TTFT than plain (goal {GOAL}x: "
+            f"{'met' if ratio >= GOAL else 'missed'})"
+        )
+    rows.append(
+        f"- {result['from_buffer_share'] * 100:.0f}% of the prefetch server's "
+        "loaded bytes came from its buffer."
+    )
     return "\n".join(rows) + "\n"
 
 
@@ -99,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-num-seqs", type=int, default=1)
+    parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     dtype = machine.native_dtype()
@@ -109,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every prompt's KV at once: 8 x 4096 tokens are 0.4 GB in bf16, 0.8 in fp32.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     prompts = [prompt(500 + i) for i in range(args.prompts)]
-    admit = ["--max-num-seqs", str(args.max_num_seqs)]
-    shots: dict[str, list[list[Shot]]] = {"plain": [], "prefetch": []}
+    admit = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+    shots: dict[str, list[list[Shot]]] = {name: [] for name in VARIANTS}
     alone: dict[str, Shot] = {}
     with (
         tempfile.TemporaryDirectory(prefix="kvlc-ttft-queue-") as tmp,
@@ -123,19 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         assert redis.kv_config is not None
         extra = redis.kv_config["kv_connector_extra_config"]
         systems = {
-            "plain": System("plain", python, redis.kv_config, serve_args=admit),
-            "prefetch": System(
-                "prefetch",
+            name: System(
+                name,
                 python,
-                {
-                    **redis.kv_config,
-                    "kv_connector_extra_config": {
-                        **extra,
-                        "prefetch_buffer": PREFETCH_BUFFER,
-                    },
-                },
+                {**redis.kv_config, "kv_connector_extra_config": {**extra, **more}},
                 serve_args=admit,
-            ),
+            )
+            for name, more in VARIANTS.items()
         }
         urls = {
             name: stack.enter_context(serving(system, scratch, dtype))[0]
@@ -148,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             first_token(urls["plain"], ids)  # stores it: a miss
         before = counters(urls["prefetch"])
         for r in range(args.rounds):
-            order = ("plain", "prefetch") if r % 2 == 0 else ("prefetch", "plain")
-            for name in order:
+            order = list(VARIANTS)[r % len(VARIANTS) :] + list(VARIANTS)
+            for name in order[: len(VARIANTS)]:
                 time.sleep(ttft.PAUSE_S)
                 shots[name].append(burst(urls[name], prompts))
                 mean = statistics.mean(s.ttft_s for s in shots[name][-1])
@@ -182,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_counters": grew,
     }
     plain = statistics.mean(result["plain"]["round_means_s"])
-    with_prefetch = statistics.mean(result["prefetch"]["round_means_s"])
-    result["ratio"] = plain / with_prefetch
+    result["ratios"] = {
+        name: plain / statistics.mean(result[name]["round_means_s"])
+        for name in VARIANTS
+        if name != "plain"
+    }
     loaded = grew["vllm:kvlc_store_loaded_bytes_total"]
     result["from_buffer_share"] = (
         grew["vllm:kvlc_store_prefetch_loaded_bytes_total"] / loaded if loaded else 0.0

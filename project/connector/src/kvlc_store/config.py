@@ -42,6 +42,8 @@ _KEYS = {
     "prefetch_buffer": "shared memory for the chunks of waiting requests, "
     "fetched before they are scheduled (bytes or a size like '1GiB'; 0, the "
     "default, is off)",
+    "load_async": "load hits beside the steps of other requests, as vLLM's "
+    "asynchronous KV loads (true/false; default false)",
 }
 
 # Keys of kv_connector_extra_config that vLLM itself reads: allowed, ignored.
@@ -76,6 +78,7 @@ class StoreConfig:
     # None: the blocks one step may allocate (see StoreConnector).
     offload_window_blocks: int | None
     prefetch_buffer_bytes: int = 0
+    load_async: bool = False
 
 
 def parse_size(value: object) -> int | None:
@@ -202,6 +205,24 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         "set a size in bytes or like '1GiB' (0 turns prefetch off)",
     )
 
+    load_async = setting("load_async", False, _bool, "set true or false")
+
+    if load_async and not scheduler_lookup:
+        bad(
+            "load_async",
+            extra.get("load_async"),
+            "asynchronous loads are the scheduler's lookups, which "
+            "scheduler_lookup = false turns off; set it to false or "
+            "scheduler_lookup to true",
+        )
+    if load_async and prefetch_buffer:
+        bad(
+            "load_async",
+            extra.get("load_async"),
+            "a waiting request loads into its own blocks then, so the prefetch "
+            "buffer would only copy it twice; set prefetch_buffer to 0 or "
+            "load_async to false",
+        )
     if prefetch_buffer and not scheduler_lookup:
         bad(
             "prefetch_buffer",
@@ -265,6 +286,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         offload=offload,
         offload_window_blocks=None if window == "auto" else window,
         prefetch_buffer_bytes=prefetch_buffer,
+        load_async=load_async,
     )
 
 

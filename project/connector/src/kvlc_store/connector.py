@@ -27,13 +27,15 @@ also expires after ``lease_ttl_s``.
 Worker side (``worker_side.py``, over ``transfer.py``'s view of the KV
 cache): ``start_load_kv`` reads the planned chunks straight into their
 blocks, checks each once (header and payload digest) and releases their
-lease; ``wait_for_save`` writes the step's newly filled prompt blocks that
-the store lacks, straight from the KV cache; ``before_update_states`` looks
-up blocks of new prompts that were not found when the step was scheduled
-(another server may have stored them since), loads them and reports them as
-hits. A chunk that fails its checks is deleted, counted and logged once; at
-load time its block is reported through ``get_block_ids_with_load_errors``,
-and vLLM recomputes it under ``kv_load_failure_policy: recompute``.
+lease (with ``load_async``, on a thread beside the steps, reported through
+``get_finished``: ``async_load.py``); ``wait_for_save`` writes the step's
+newly filled prompt blocks that the store lacks, straight from the KV
+cache; ``before_update_states`` looks up blocks of new prompts that were
+not found when the step was scheduled (another server may have stored them
+since), loads them and reports them as hits. A chunk that fails its checks
+is deleted, counted and logged once; at load time its block is reported
+through ``get_block_ids_with_load_errors``, and vLLM recomputes it under
+``kv_load_failure_policy: recompute``.
 """
 
 from __future__ import annotations
@@ -193,6 +195,7 @@ class StoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler.prefetcher is not None:
             self._scheduler.prefetcher.close()
+        self._worker.close()
         self._core.backend.close()
 
     # ------------------------------------------------------------------
@@ -207,7 +210,8 @@ class StoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler.offer_legacy(request, num_computed_tokens), False
+        num_tokens = self._scheduler.offer_legacy(request, num_computed_tokens)
+        return num_tokens, self._config.load_async and num_tokens > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -223,7 +227,11 @@ class StoreConnector(KVConnectorBase_V1):
         offer = self._scheduler.offer(request, num_computed_tokens)
         if offer is None:
             return ExternalKVMatch(num_tokens=0)
-        return ExternalKVMatch(num_tokens=offer.num_tokens, query_result=offer)
+        return ExternalKVMatch(
+            num_tokens=offer.num_tokens,
+            load_kv_async=self._config.load_async,
+            query_result=offer,
+        )
 
     def commit_external_match(
         self, request: Request, blocks: KVCacheBlocks, match: Any
@@ -311,6 +319,11 @@ class StoreConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_saved()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.finished_loads(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -26,7 +26,8 @@ class Offer:
 
 @dataclass
 class LoadSpec:
-    """Blocks to fill from the store before the forward, then release."""
+    """Blocks to fill from the store, then release: before the step's
+    forward, or in the background with ``load_async``."""
 
     req_id: str
     lease_id: str | None
@@ -34,6 +35,8 @@ class LoadSpec:
     keys: list[list[str]]
     # Leading blocks whose chunks the prefetch buffer holds (prefetch.py).
     num_buffered: int = 0
+    # Loaded beside the steps, reported through get_finished (async_load.py).
+    load_async: bool = False
 
 
 @dataclass

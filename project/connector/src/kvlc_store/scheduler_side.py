@@ -173,6 +173,7 @@ class SchedulerSide:
                 block_ids=list(block_ids[first : first + num_blocks]),
                 keys=keys,
                 num_buffered=buffered,
+                load_async=core.config.load_async,
             )
         )
         self._loaded_until[request.request_id] = first + num_blocks

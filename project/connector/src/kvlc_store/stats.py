@@ -12,6 +12,7 @@ like.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,11 @@ COUNTERS: dict[str, str] = {
     "instead of the store.",
 }
 
+# Worker-side counts come from the step and from the asynchronous-load thread
+# (async_load.py). One lock for every instance: a lock attribute would not
+# pickle, and vLLM sends the stats between processes.
+_LOCK = threading.Lock()
+
 
 @dataclass
 class StoreConnectorStats(KVConnectorStats):
@@ -60,7 +66,8 @@ class StoreConnectorStats(KVConnectorStats):
         if name not in COUNTERS:
             raise KeyError(f"unknown store counter {name!r}")
         if value:
-            self.data[name] = self.data.get(name, 0) + value
+            with _LOCK:
+                self.data[name] = self.data.get(name, 0) + value
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -75,10 +82,11 @@ class StoreConnectorStats(KVConnectorStats):
 
     def take(self) -> StoreConnectorStats | None:
         """The counts so far (None if nothing happened), and start again."""
-        if self.is_empty():
-            return None
-        out = StoreConnectorStats(data=dict(self.data))
-        self.reset()
+        with _LOCK:
+            if self.is_empty():
+                return None
+            out = StoreConnectorStats(data=dict(self.data))
+            self.reset()
         return out
 
 

@@ -15,11 +15,12 @@ from the store instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvlc_store.async_load import AsyncLoads
 from kvlc_store.backends import Backend, BackendUnavailable, Head, new_lease_id
 from kvlc_store.chunk import (
     HEADER_BYTES,
@@ -30,7 +31,7 @@ from kvlc_store.chunk import (
     encode_header,
 )
 from kvlc_store.core import StoreCore
-from kvlc_store.metadata import SaveSpec, StoreMetadata
+from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.offload import SavedBlocks
 from kvlc_store.prefetch import BufferReader
 from kvlc_store.transfer import BlockLayout, bytes_view
@@ -56,6 +57,7 @@ class WorkerSide:
         self.rank = 0
         self._load_errors: set[int] = set()
         self._worker_loads: list[WorkerLoad] = []
+        self._async: AsyncLoads | None = None
         self.saved = SavedBlocks()
 
     def register(
@@ -119,36 +121,73 @@ class WorkerSide:
             reads.close()
 
     def start_load(self, meta: StoreMetadata) -> None:
-        core = self._core
         for spec in meta.loads:
-            keys = [keys[self.rank] for keys in spec.keys]
-            done: set[int] = set()
-            from_store = list(zip(spec.block_ids, keys, strict=True))
-            if spec.num_buffered and meta.buffer_dir is not None:
-                n = spec.num_buffered
-                buffer = BufferReader(meta.buffer_dir)
-                for block_id, _, ok in self._read(spec.block_ids[:n], keys[:n], buffer):
-                    if ok:
-                        done.add(block_id)
-                # What the buffer lacked is read from the store.
-                from_store = [(b, k) for b, k in from_store[:n] if b not in done]
-                from_store += list(zip(spec.block_ids[n:], keys[n:], strict=True))
-            for block_id, _, ok in self._read(
-                [b for b, _ in from_store], [k for _, k in from_store]
-            ):
-                if ok:
-                    done.add(block_id)
-            for block_id in spec.block_ids:
-                if block_id not in done:
-                    self._load_errors.add(block_id)
-                    core.stats.inc("load_errors")
-            if spec.lease_id is not None:
-                core.release(spec.lease_id, keys, count=self.rank == 0)
+            if spec.load_async:
+                if self._async is None:
+                    self._async = AsyncLoads(self._load)
+                self._async.submit(spec, meta.buffer_dir)
+            else:
+                self._load_errors |= self._load(spec, meta.buffer_dir)
         worker_loads, self._worker_loads = self._worker_loads, []
         for load in worker_loads:
             if self.rank == 0:
-                core.stats.inc("worker_hit_tokens", load.num_blocks * self._block_size)
-            core.release(load.lease_id, load.keys, count=False)
+                self._core.stats.inc(
+                    "worker_hit_tokens", load.num_blocks * self._block_size
+                )
+            self._core.release(load.lease_id, load.keys, count=False)
+
+    def _load(
+        self,
+        spec: LoadSpec,
+        buffer_dir: str | None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> set[int]:
+        """Load ``spec``'s blocks and release its lease; return the blocks
+        that could not be loaded. Stops between two blocks once
+        ``cancelled()`` (the request finished while it loaded)."""
+        core = self._core
+        keys = [keys[self.rank] for keys in spec.keys]
+        done: set[int] = set()
+        from_store = list(zip(spec.block_ids, keys, strict=True))
+        try:
+            if spec.num_buffered and buffer_dir is not None:
+                n = spec.num_buffered
+                buffer = BufferReader(buffer_dir)
+                for block_id, _, ok in self._read(spec.block_ids[:n], keys[:n], buffer):
+                    if ok:
+                        done.add(block_id)
+                    if cancelled():
+                        break
+                # What the buffer lacked is read from the store.
+                from_store = [(b, k) for b, k in from_store[:n] if b not in done]
+                from_store += list(zip(spec.block_ids[n:], keys[n:], strict=True))
+            if not cancelled():
+                for block_id, _, ok in self._read(
+                    [b for b, _ in from_store], [k for _, k in from_store]
+                ):
+                    if ok:
+                        done.add(block_id)
+                    if cancelled():
+                        break
+        finally:
+            if spec.lease_id is not None:
+                core.release(spec.lease_id, keys, count=self.rank == 0)
+        failed = set(spec.block_ids) - done
+        if not cancelled():
+            core.stats.inc("load_errors", len(failed))
+        return failed
+
+    def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose asynchronous load is over (loaded, failed or
+        cancelled); the blocks that failed go to ``take_load_errors`` in the
+        same step, as vLLM requires. ``finished_req_ids``: requests that
+        finished since the last step, whose loads stop early."""
+        if self._async is None:
+            return set()
+        self._async.cancel(finished_req_ids)
+        done, failed = self._async.take()
+        self._load_errors |= failed
+        return done
 
     def before_update_states(self, meta: StoreMetadata) -> dict[str, int]:
         """Look up, load and check the probed blocks now; report the whole
@@ -184,6 +223,10 @@ class WorkerSide:
             self._worker_loads.append(WorkerLoad(lease_id, keys[:good], good))
             hits[probe.req_id] = good * self._block_size
         return hits
+
+    def close(self) -> None:
+        if self._async is not None:
+            self._async.close()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
