@@ -8,41 +8,19 @@ errors and releases its lease.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from kvlc_store.backends import DirectoryBackend, Head, new_lease_id
+from kvlc_store.backends import DirectoryBackend, new_lease_id
 from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.worker_side import WorkerSide
 from test_store_load import BLOCK, IDENT, NUM_BLOCKS, block, key, kv_caches
-
-
-class GatedBackend(DirectoryBackend):
-    """Reads one chunk, then waits for ``gate`` before the rest."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, 10**8)
-        self.gate = threading.Event()
-        self.first_read = threading.Event()
-
-    def read_into(
-        self,
-        keys: Sequence[str],
-        head_bytes: int,
-        targets: Sequence[Sequence[memoryview]],
-    ) -> Iterator[Head | None]:
-        for i, head in enumerate(super().read_into(keys, head_bytes, targets)):
-            if i == 1:
-                self.first_read.set()
-                assert self.gate.wait(30), "the test never opened the gate"
-            yield head
+from test_store_prefetch import StallingBackend
 
 
 def make(
@@ -128,15 +106,15 @@ def test_failed_blocks_come_with_the_finished_request(tmp_path: Path):
 
 
 def test_request_finished_while_loading_stops_and_reports_no_errors(tmp_path: Path):
-    gated = GatedBackend(tmp_path / "store")
-    core, worker, caches = make(tmp_path, gated)
+    stalling = StallingBackend(tmp_path / "store", "read_into")
+    core, worker, caches = make(tmp_path, stalling)
     save(worker, 0, 1, 2)
     untouched = block(caches, 5)
     worker.start_load(async_load("r", leased(core, 0, 1, 2), [3, 4, 5], [0, 1, 2]))
-    assert gated.first_read.wait(30)
+    assert stalling.reading.wait(30)
     # The step after the abort: vLLM passes the request in finished_req_ids.
     assert worker.finished_loads({"r", "never-loaded"}) == set()
-    gated.gate.set()
+    stalling.go.set()
     assert wait_finished(worker) == {"r"}
     assert worker.take_load_errors() == set()
     assert "load_errors" not in core.stats.data
@@ -151,14 +129,14 @@ def test_request_finished_while_loading_stops_and_reports_no_errors(tmp_path: Pa
 def test_loads_run_in_order_beside_the_caller(tmp_path: Path):
     """The caller is not held while a load waits; two loads finish in the
     order they were scheduled."""
-    gated = GatedBackend(tmp_path / "store")
-    core, worker, _ = make(tmp_path, gated)
+    stalling = StallingBackend(tmp_path / "store", "read_into")
+    core, worker, _ = make(tmp_path, stalling)
     save(worker, 0, 1, 2)
     worker.start_load(async_load("first", leased(core, 0, 1), [3, 4], [0, 1]))
     worker.start_load(async_load("second", leased(core, 2), [5], [2]))
-    assert gated.first_read.wait(30)
-    assert worker.finished_loads(set()) == set()  # "first" is held at the gate
-    gated.gate.set()
+    assert stalling.reading.wait(30)
+    assert worker.finished_loads(set()) == set()  # "first" is held in its read
+    stalling.go.set()
     done = wait_finished(worker)
     if done == {"first"}:
         done |= wait_finished(worker)

@@ -30,6 +30,7 @@ from test_store_connector_e2e import (
     kv_config,
     open_leases,
     prompt,
+    repeats_at_once,
 )
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
@@ -76,24 +77,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def test_burst_of_repeats_loads_asynchronously_and_matches(setup):
     engine: Engine = setup["engine"]
-    texts = [prompt(f"burst {i}") for i in range(4)]
-    misses = [engine.complete(t) for t in texts]
-    before = engine.store_metrics()
-    with ThreadPoolExecutor(len(texts)) as pool:
-        hits = list(pool.map(engine.complete, texts))
-    after = engine.store_metrics()
-    for hit, miss in zip(hits, misses, strict=True):
-        assert miss.cached_tokens == 0
-        assert hit.cached_tokens == 2 * BLOCK
-        assert_same_output(hit, miss)
-
-    def grew(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    assert grew("vllm:kvlc_store_loaded_tokens_total") == len(texts) * 2 * BLOCK
-    assert grew("vllm:kvlc_store_loaded_bytes_total") > 0
-    assert grew("vllm:kvlc_store_load_errors_total") == 0
-    assert after["vllm:kvlc_store_leases_open"] == 0
+    grew = repeats_at_once(engine, [prompt(f"burst {i}") for i in range(4)])
+    assert grew["vllm:kvlc_store_loaded_tokens_total"] == 4 * 2 * BLOCK
+    assert grew["vllm:kvlc_store_loaded_bytes_total"] > 0
+    assert grew.get("vllm:kvlc_store_load_errors_total", 0) == 0
+    assert grew["vllm:kvlc_store_leases_open"] == 0
 
 
 def test_request_aborted_while_its_load_is_held(setup):

@@ -179,6 +179,25 @@ def assert_same_output(hit: Answer, miss: Answer) -> None:
     assert hit.logprobs == pytest.approx(miss.logprobs, abs=1e-2)
 
 
+def repeats_at_once(engine: Engine, texts: list[str]) -> dict[str, float]:
+    """Store ``texts`` one after the other (misses), then send their repeats
+    all at once: each hits both full blocks before its last token and gives
+    its miss's output. Returns how much each store metric grew over the
+    repeats (gauges as they are after them)."""
+    misses = [engine.complete(t) for t in texts]
+    before = engine.store_metrics()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        hits = list(pool.map(engine.complete, texts))
+    after = engine.store_metrics()
+    for hit, miss in zip(hits, misses, strict=True):
+        assert miss.cached_tokens == 0
+        assert hit.cached_tokens == 2 * BLOCK
+        assert_same_output(hit, miss)
+    grew = {name: value - before.get(name, 0.0) for name, value in after.items()}
+    grew["vllm:kvlc_store_leases_open"] = after["vllm:kvlc_store_leases_open"]
+    return grew
+
+
 def test_repeat_hits_and_matches_the_miss(setup):
     dir_engine: Engine = setup["dir"]
     before = dir_engine.store_metrics()

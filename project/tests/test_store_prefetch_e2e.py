@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,7 @@ import pytest
 from conftest import REPO
 from kvlc_store.prefetch import DIR_PREFIX
 from redis_server import RedisServer
-from test_store_connector_e2e import (
-    BLOCK,
-    Engine,
-    assert_same_output,
-    kv_config,
-    prompt,
-)
+from test_store_connector_e2e import Engine, kv_config, prompt, repeats_at_once
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
 import serve_demo  # noqa: E402
@@ -75,26 +68,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def test_waiting_repeats_load_from_the_buffer_and_leave_it_empty(setup):
     engine: Engine = setup["engine"]
-    texts = [prompt(f"queued {i}") for i in range(4)]
-    misses = [engine.complete(t) for t in texts]
-    before = engine.store_metrics()
-    with ThreadPoolExecutor(len(texts)) as pool:
-        hits = list(pool.map(engine.complete, texts))
-    after = engine.store_metrics()
-
-    for hit, miss in zip(hits, misses, strict=True):
-        assert miss.cached_tokens == 0
-        assert hit.cached_tokens == 2 * BLOCK
-        assert_same_output(hit, miss)
-
-    def grew(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
+    grew = repeats_at_once(engine, [prompt(f"queued {i}") for i in range(4)])
     # The first repeat is scheduled at once; the others waited (8 decode
     # steps each, at one request at a time) and were prefetched meanwhile.
-    assert grew("vllm:kvlc_store_prefetched_bytes_total") > 0
-    loaded = grew("vllm:kvlc_store_loaded_bytes_total")
-    from_buffer = grew("vllm:kvlc_store_prefetch_loaded_bytes_total")
+    assert grew["vllm:kvlc_store_prefetched_bytes_total"] > 0
+    loaded = grew["vllm:kvlc_store_loaded_bytes_total"]
+    from_buffer = grew["vllm:kvlc_store_prefetch_loaded_bytes_total"]
     assert 0.5 * loaded <= from_buffer < loaded
-    assert after["vllm:kvlc_store_leases_open"] == 0
+    assert grew["vllm:kvlc_store_leases_open"] == 0
     assert list(setup["buffer"].iterdir()) == []

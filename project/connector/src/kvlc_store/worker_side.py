@@ -153,22 +153,14 @@ class WorkerSide:
             if spec.num_buffered and buffer_dir is not None:
                 n = spec.num_buffered
                 buffer = BufferReader(buffer_dir)
-                for block_id, _, ok in self._read(spec.block_ids[:n], keys[:n], buffer):
-                    if ok:
-                        done.add(block_id)
-                    if cancelled():
-                        break
+                done = self._fill(spec.block_ids[:n], keys[:n], cancelled, buffer)
                 # What the buffer lacked is read from the store.
                 from_store = [(b, k) for b, k in from_store[:n] if b not in done]
                 from_store += list(zip(spec.block_ids[n:], keys[n:], strict=True))
             if not cancelled():
-                for block_id, _, ok in self._read(
-                    [b for b, _ in from_store], [k for _, k in from_store]
-                ):
-                    if ok:
-                        done.add(block_id)
-                    if cancelled():
-                        break
+                done |= self._fill(
+                    [b for b, _ in from_store], [k for _, k in from_store], cancelled
+                )
         finally:
             if spec.lease_id is not None:
                 core.release(spec.lease_id, keys, count=self.rank == 0)
@@ -176,6 +168,22 @@ class WorkerSide:
         if not cancelled():
             core.stats.inc("load_errors", len(failed))
         return failed
+
+    def _fill(
+        self,
+        block_ids: Sequence[int],
+        keys: Sequence[str],
+        cancelled: Callable[[], bool],
+        buffer: BufferReader | None = None,
+    ) -> set[int]:
+        """``_read`` until ``cancelled()``; the blocks loaded."""
+        done: set[int] = set()
+        for block_id, _, ok in self._read(block_ids, keys, buffer):
+            if ok:
+                done.add(block_id)
+            if cancelled():
+                break
+        return done
 
     def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose asynchronous load is over (loaded, failed or
