@@ -18,6 +18,11 @@ each server in turn, and times each one's first token; then one repeat alone
 on each. Prints the machine, the per-round means and one JSON line; with
 ``--out`` also writes ``ttft_queue.json`` and ``ttft_queue.md`` there.
 
+``--forward-threads 1`` runs each server's forward on one OpenMP thread
+(``OMP_NUM_THREADS``, threads not bound), leaving the other cores to the
+store, the prefetcher or the loads: the layout of a GPU server, whose forward
+does not take the CPU the loads need.
+
 Run with ``.venv/bin/python project/bench/ttft_queue.py`` on a quiet machine
 (needs ``redis-server``).
 """
@@ -78,9 +83,11 @@ def counters(url: str) -> dict[str, float]:
 
 def table(result: dict[str, Any]) -> str:
     admission = result["max_num_seqs"] or "vLLM's default"
+    threads = result.get("forward_threads") or "vLLM's default (one per core)"
     rows = [
         f"Machine: {result['machine']}; {result['dtype']}; "
-        f"--max-num-seqs {admission}; {result['prompts']} concurrent "
+        f"--max-num-seqs {admission}; forward threads {threads}; "
+        f"{result['prompts']} concurrent "
         f"4096-token repeats on Redis, {result['rounds']} rounds per server.",
         "",
         "| server | mean TTFT per round (ms) | mean (ms) | one repeat alone (ms) |",
@@ -111,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--forward-threads", type=int)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     dtype = machine.native_dtype()
@@ -119,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{machine.describe()}; {dtype}", flush=True)
     # Every prompt's KV at once: 8 x 4096 tokens are 0.4 GB in bf16, 0.8 in fp32.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if args.forward_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.forward_threads)
     prompts = [prompt(500 + i) for i in range(args.prompts)]
     admit = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
     shots: dict[str, list[list[Shot]]] = {name: [] for name in VARIANTS}
@@ -174,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine.describe(),
         "dtype": dtype,
         "max_num_seqs": args.max_num_seqs,
+        "forward_threads": args.forward_threads,
         "prompts": args.prompts,
         "rounds": args.rounds,
         **{
