@@ -43,6 +43,7 @@ from redis_server import RedisServer, StallProxy
 sys.path.insert(0, str(REPO / "project" / "demo"))
 import serve_demo  # noqa: E402
 from kvlc_store import backends  # noqa: E402
+from kvlc_store.backends import redis as redis_backend  # noqa: E402
 from kvlc_store.chunk import decode_chunk, read_header  # noqa: E402
 from make_model import make_model  # noqa: E402
 
@@ -464,11 +465,11 @@ def test_redis_server_killed(fault: str, tmp_path: Path) -> None:
         armed_at = time.monotonic()
         if fault == "holding_a_lease":
             # A hit: the worker releases the lease right after loading.
-            proxy.stall_on(script_sha(backends._LUA_RELEASE))
+            proxy.stall_on(script_sha(redis_backend._LUA_RELEASE))
             doomed_prompt = prompt("zeta")
         else:
             # A miss: the worker writes the first of its chunks (~65 KB).
-            proxy.stall_on(script_sha(backends._LUA_PUT), forward=32 * 1024)
+            proxy.stall_on(script_sha(redis_backend._LUA_PUT), forward=32 * 1024)
             doomed_prompt = prompt("theta")
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(doomed.complete, doomed_prompt)

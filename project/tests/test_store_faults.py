@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvlc_store import backends
-from kvlc_store.backends import BackendUnavailable, DirectoryBackend, new_lease_id
+from kvlc_store.backends import (
+    BackendUnavailable,
+    DirectoryBackend,
+    directory,
+    new_lease_id,
+)
 
 KEY = f"ident0/{1:064x}.0"
 DATA = b"x" * 1000
@@ -72,7 +76,7 @@ def test_full_disk_skips_the_save_and_leaves_no_partial_file(
 ):
     store = DirectoryBackend(tmp_path, 10**6)
     write = Failing(errno.ENOSPC, os.writev)
-    monkeypatch.setattr(backends.os, "writev", write)
+    monkeypatch.setattr(directory.os, "writev", write)
     with pytest.raises(BackendUnavailable, match="No space left on device"):
         store.put(KEY, DATA)
     assert list((tmp_path / "tmp").iterdir()) == []
@@ -96,7 +100,7 @@ def test_read_errors_are_unavailable(
     assert store.get(KEY) == DATA
     # Lookups (headers) and loads (straight into KV) read with pread/preadv.
     pread = Failing(err, os.pread)
-    monkeypatch.setattr(backends.os, "pread", pread)
+    monkeypatch.setattr(directory.os, "pread", pread)
     with pytest.raises(BackendUnavailable, match=os.strerror(err)):
         store.peek([KEY], 10)
     with pytest.raises(BackendUnavailable, match=os.strerror(err)):
@@ -112,8 +116,8 @@ def test_read_errors_are_unavailable(
 def test_lock_errors_are_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     store = DirectoryBackend(tmp_path, 10**6)
     store.put(KEY, DATA)
-    flock = Failing(errno.EIO, backends.fcntl.flock)
-    monkeypatch.setattr(backends.fcntl, "flock", flock)
+    flock = Failing(errno.EIO, directory.fcntl.flock)
+    monkeypatch.setattr(directory.fcntl, "flock", flock)
     with pytest.raises(BackendUnavailable, match="Input/output error"):
         store.lease([KEY], new_lease_id(), 60)
     flock.armed = False

@@ -1,0 +1,356 @@
+"""``DirectoryBackend``: chunks as files under a directory."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from kvlc_store.backends.base import (
+    LOW_WATERMARK,
+    BackendUnavailable,
+    Data,
+    Head,
+    as_parts,
+    logger,
+)
+
+# Buffers per writev/preadv call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 512
+
+_T = TypeVar("_T")
+
+
+def read_chunk_file(
+    path: Path, head_bytes: int, into: Sequence[memoryview]
+) -> Head | None:
+    """Read the chunk file at ``path``: its first ``head_bytes`` bytes, and
+    the rest straight into ``into`` when the lengths match (``read_into``'s
+    contract). None if there is no such file; other ``OSError`` as raised.
+
+    Chunk files are written to a temporary name and renamed into place,
+    never rewritten, so a short read is a file system failing.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, head_bytes, 0)
+        if size == head_bytes + sum(t.nbytes for t in into):
+            offset = head_bytes
+            for i in range(0, len(into), _IOV_MAX):
+                batch = into[i : i + _IOV_MAX]
+                n = os.preadv(fd, batch, offset)
+                if n != sum(t.nbytes for t in batch):
+                    raise OSError(f"short read of {path} ({n} bytes)")
+                offset += n
+    finally:
+        os.close(fd)
+    return head, size
+
+
+class DirectoryBackend:
+    """Chunks as files under a directory, shared by every process that opens
+    the same path on one machine (or a shared file system with working
+    ``flock``).
+
+    Layout: ``chunks/<identity>/<hh>/<hash>.<rank>`` (``hh`` the hash's first
+    two hex digits), ``leases/<lease id>`` (one line per leased key; the
+    file's mtime plus the TTL in its first line is its expiry), ``tmp/``
+    (writes in progress), ``size`` (total chunk bytes, kept under the lock)
+    and ``.lock`` (held while leasing, counting or evicting).
+
+    A write goes to ``tmp/`` and is renamed into place, so a process that
+    dies mid-write never leaves a partial chunk under a chunk's name;
+    leftovers in ``tmp/`` are removed when a backend opens the directory.
+    There is no fsync: after a power loss a renamed chunk may be empty or
+    torn, and its checksum makes it a miss; a cache need not survive one.
+    LRU order is file mtime (a ``get`` touches the file).
+
+    Every file-system error of an operation (``OSError``: missing directory,
+    permission, full disk, I/O error) is ``BackendUnavailable``. If the
+    directory or its layout was deleted, the operation recreates the layout
+    and tries once more: the store comes back by itself, empty.
+    """
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self._chunks = root / "chunks"
+        self._leases = root / "leases"
+        self._tmp = root / "tmp"
+        self._lock_path = root / ".lock"
+        self._size_path = root / "size"
+        self._make_layout()
+        self._clean_tmp()
+
+    def _make_layout(self) -> None:
+        for d in (self._chunks, self._leases, self._tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock_path.touch(exist_ok=True)
+        if not self._size_path.exists():
+            with self._locked():
+                self._write_size(self._scan_size())
+
+    def _io(self, op: Callable[[], _T]) -> _T:
+        """Run one store operation, with file-system errors as
+        ``BackendUnavailable``."""
+        try:
+            return op()
+        except FileNotFoundError:
+            pass  # Part of the layout is gone: recreate it below.
+        except OSError as e:
+            raise BackendUnavailable(f"store directory {self.root}: {e}") from e
+        try:
+            self._make_layout()
+            logger.warning(
+                "StoreConnector: store directory %s was missing (deleted?); "
+                "recreated it empty",
+                self.root,
+            )
+            return op()
+        except OSError as e:
+            raise BackendUnavailable(f"store directory {self.root}: {e}") from e
+
+    # -- paths ------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        identity, _, name = key.partition("/")
+        if not identity or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"malformed chunk key {key!r}")
+        return self._chunks / identity / name[:2] / name
+
+    def _iter_chunk_files(self) -> Iterator[Path]:
+        for dirpath, _, filenames in os.walk(self._chunks):
+            for name in filenames:
+                yield Path(dirpath) / name
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self._lock_path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _clean_tmp(self) -> None:
+        # Only files older than a minute: another live process may be writing.
+        cutoff = time.time() - 60
+        for p in self._tmp.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
+
+    # -- chunks -----------------------------------------------------------
+
+    def put(self, key: str, data: Data) -> int:
+        return self._io(lambda: self._put(key, as_parts(data)))
+
+    def _put(self, key: str, parts: list[memoryview]) -> int:
+        path = self._path(key)
+        if path.exists():
+            return 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp / f"{uuid.uuid4().hex}.part"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        size = sum(p.nbytes for p in parts)
+        try:
+            # Straight from the caller's buffers (the KV cache), no join.
+            left = [p for p in parts if p.nbytes]
+            while left:
+                n = os.writev(fd, left[:_IOV_MAX])
+                while left and n >= left[0].nbytes:
+                    n -= left[0].nbytes
+                    left.pop(0)
+                if n:
+                    left[0] = left[0][n:]
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        with self._locked():
+            total = self._read_size() + size
+            if total <= self.capacity_bytes:
+                self._write_size(total)
+                return 0
+            return self._evict()
+
+    def get(self, key: str) -> bytes | None:
+        return self._io(lambda: self._get(key))
+
+    def _get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+        return data
+
+    def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
+        return self._io(lambda: [self._peek(key, n) for key in keys])
+
+    def _peek(self, key: str, n: int) -> Head | None:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.pread(fd, n, 0), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def read_into(
+        self,
+        keys: Sequence[str],
+        head_bytes: int,
+        targets: Sequence[Sequence[memoryview]],
+    ) -> Generator[Head | None, None, None]:
+        for key, into in zip(keys, targets, strict=True):
+            yield self._io(functools.partial(self._read_into, key, head_bytes, into))
+
+    def _read_into(
+        self, key: str, head_bytes: int, into: Sequence[memoryview]
+    ) -> Head | None:
+        path = self._path(key)
+        head = read_chunk_file(path, head_bytes, into)
+        if head is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
+        return head
+
+    def delete(self, key: str) -> None:
+        return self._io(lambda: self._delete(key))
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._locked():
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return
+            self._write_size(max(0, self._read_size() - size))
+
+    def num_bytes(self) -> int:
+        return self._io(lambda: self._num_bytes())
+
+    def _num_bytes(self) -> int:
+        return self._scan_size()
+
+    # The running total of chunk bytes, shared by every process (a file
+    # updated under the lock; eviction rescans and rewrites it).
+
+    def _read_size(self) -> int:
+        try:
+            return int(self._size_path.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return self._scan_size()
+
+    def _write_size(self, total: int) -> None:
+        tmp = self._size_path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(str(total))
+        os.replace(tmp, self._size_path)
+
+    def _scan_size(self) -> int:
+        total = 0
+        for p in self._iter_chunk_files():
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size
+        return total
+
+    # -- leases -----------------------------------------------------------
+
+    def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        return self._io(lambda: self._lease(keys, lease_id, ttl_s))
+
+    def _lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        with self._locked():
+            n = 0
+            for key in keys:
+                if not self._path(key).exists():
+                    break
+                n += 1
+            if n:
+                body = f"{ttl_s}\n" + "\n".join(keys[:n]) + "\n"
+                (self._leases / lease_id).write_text(body)
+            return n
+
+    def release(self, keys: Sequence[str], lease_id: str) -> None:
+        return self._io(lambda: self._release(keys, lease_id))
+
+    def _release(self, keys: Sequence[str], lease_id: str) -> None:
+        path = self._leases / lease_id
+        with self._locked():
+            try:
+                lines = path.read_text().splitlines()
+            except FileNotFoundError:
+                return
+            ttl, held = lines[0], [k for k in lines[1:] if k]
+            drop = set(keys)
+            left = [k for k in held if k not in drop]
+            if left:
+                path.write_text(ttl + "\n" + "\n".join(left) + "\n")
+            else:
+                path.unlink(missing_ok=True)
+
+    def _protected_keys(self, now: float) -> set[str]:
+        """Keys under an unexpired lease; expired lease files are removed."""
+        protected: set[str] = set()
+        for path in self._leases.iterdir():
+            try:
+                mtime = path.stat().st_mtime
+                lines = path.read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            try:
+                ttl = float(lines[0])
+            except (IndexError, ValueError):
+                ttl = 0.0
+            if mtime + ttl < now:
+                path.unlink(missing_ok=True)
+                continue
+            protected.update(k for k in lines[1:] if k)
+        return protected
+
+    def _evict(self) -> int:
+        """Evict down to the low watermark; the caller holds the lock."""
+        entries: list[tuple[float, int, Path]] = []
+        for p in self._iter_chunk_files():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        evicted = 0
+        if total > self.capacity_bytes:
+            target = int(self.capacity_bytes * LOW_WATERMARK)
+            protected = self._protected_keys(time.time())
+            for _, size, p in sorted(entries):
+                if total <= target:
+                    break
+                rel = p.relative_to(self._chunks)
+                key = f"{rel.parts[0]}/{rel.parts[-1]}"
+                if key in protected:
+                    continue
+                p.unlink(missing_ok=True)
+                total -= size
+                evicted += 1
+        self._write_size(total)
+        return evicted
+
+    def close(self) -> None:
+        return
