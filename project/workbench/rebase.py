@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, commit_tree, git, git_status, git_text
-from workbench.materialize import build_repo
+from workbench.materialize import build_repo, copy_tree
 from workbench.stack import Stack
 from workbench.upstream import unpack_sdist
 
@@ -104,7 +103,7 @@ def resolve_target(target: Path, rev: str | None, scratch: Path) -> Target:
         return Target(dest, f"{target.name} at {rev or 'HEAD'} ({commit})")
     if rev:
         raise WorkbenchError(f"--rev is for a git repository, {target} is not one")
-    shutil.copytree(target, dest, symlinks=True)
+    copy_tree(target, dest)
     return Target(dest, target.name)
 
 

@@ -54,7 +54,7 @@ from workbench import edited, stack, upstream
 from workbench.build import LOCAL_LABEL
 from workbench.errors import WorkbenchError
 from workbench.hf_fixture import write_hf_cache
-from workbench.materialize import materialize
+from workbench.materialize import copy_tree, materialize
 
 ROOT = Path(__file__).resolve().parents[2]
 # A throwaway tree: --stack rebuilds it every run, so it never holds work.
@@ -164,7 +164,7 @@ def mirror_tree(tests_root: Path, dest: Path) -> None:
     if not (tests_root / "tests").is_dir():
         raise WorkbenchError(f"{tests_root} has no tests/ directory")
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(tests_root / "tests", dest / "tests", symlinks=True)
+    copy_tree(tests_root / "tests", dest / "tests")
     if (tests_root / "pyproject.toml").is_file():
         shutil.copyfile(tests_root / "pyproject.toml", dest / "pyproject.toml")
     for entry in sorted(tests_root.iterdir()):
