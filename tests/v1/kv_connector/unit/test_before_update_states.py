@@ -39,7 +39,13 @@ from vllm.v1.core.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput
 
 MODULE = "tests.v1.kv_connector.unit.test_before_update_states"
@@ -132,15 +138,23 @@ def _worker(hits: Any = None, kv_cache_config: KVCacheConfig | None = None):
     return external_hits.WorkerExternalHits(connector)
 
 
+class _Apply:
+    """Applies hits to a scheduler output on one rank, through the worker
+    path; ``applied`` holds the hits the last call applied."""
+
+    applied: dict[str, int] | None = None
+
+    def __call__(self, so: SchedulerOutput, hits: dict[str, int]) -> SchedulerOutput:
+        worker = _worker(hits)
+        new_so = worker.apply(so)
+        self.applied = worker.applied
+        return new_so
+
+
 @pytest.fixture
-def apply(monkeypatch: pytest.MonkeyPatch):
-    """Apply hits to a scheduler output on one rank, through the worker path."""
+def apply(monkeypatch: pytest.MonkeyPatch) -> _Apply:
     _single_rank(monkeypatch)
-
-    def _apply(so: SchedulerOutput, hits: dict[str, int]) -> SchedulerOutput:
-        return _worker(hits).apply(so)
-
-    return _apply
+    return _Apply()
 
 
 def test_default_hook_reports_nothing_and_is_not_called():
@@ -160,7 +174,7 @@ def test_apply_advances_computed_and_keeps_last_prompt_token(apply):
         cached=[("c", 64, 0, 36)],
     )
     new_so = apply(so, {"a": 40, "b": 1000, "c": 35})
-    assert new_so.applied_external_hits == {"a": 40, "b": 83, "c": 35}
+    assert apply.applied == {"a": 40, "b": 83, "c": 35}
     assert [r.num_computed_tokens for r in new_so.scheduled_new_reqs] == [40, 99]
     assert new_so.scheduled_cached_reqs.num_computed_tokens == [99]
     assert new_so.num_scheduled_tokens == {"a": 60, "b": 1, "c": 1}
@@ -214,7 +228,7 @@ def test_apply_leaves_scheduler_output_untouched(apply):
     assert repr(so) == repr(before)
     assert so.num_scheduled_tokens == before.num_scheduled_tokens
     assert so.total_num_scheduled_tokens == before.total_num_scheduled_tokens
-    assert so.applied_external_hits is None
+    assert apply.applied == {"a": 10, "c": 5}
     assert not so.has_sync_kv_loads
 
 
@@ -261,7 +275,9 @@ def test_invalid_hits_raise_naming_connector_and_request(
 def test_apply_single_rank_ignores_unknown_requests(monkeypatch: pytest.MonkeyPatch):
     _single_rank(monkeypatch)
     so = _scheduler_output(new=[("a", 10, 0, 10)])
-    assert _worker({"a": 5, "zzz": 3}).apply(so).applied_external_hits == {"a": 5}
+    worker = _worker({"a": 5, "zzz": 3})
+    worker.apply(so)
+    assert worker.applied == {"a": 5}
 
 
 def test_hook_and_collective_skipped_without_eligible_requests(
@@ -341,7 +357,10 @@ def test_requests_that_skip_reading_prefix_cache_get_no_hit(
         "a", sampling_params, pooling_params
     )
     continuation = _scheduler_output(cached=[("a", 64, 0, 36)])
-    applied = [worker.apply(so).applied_external_hits for so in (first, continuation)]
+    applied = []
+    for so in (first, continuation):
+        worker.apply(so)
+        applied.append(worker.applied)
     assert applied == ([None, None] if must_compute else [{"a": 63}, {"a": 35}])
 
 
@@ -370,6 +389,62 @@ def test_hybrid_models_get_no_hit():
     so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("c", 64, 0, 36)])
     assert worker.limits(so) == {}
     assert worker.apply(so) is so
+
+
+def _attention_groups(*, sliding_window: bool) -> KVCacheConfig:
+    spec = {"block_size": 16, "num_kv_heads": 1, "head_size": 64}
+    groups = [
+        KVCacheGroupSpec(["full"], FullAttentionSpec(**spec, dtype=torch.float16))
+    ]
+    if sliding_window:
+        # Gemma 2/3, gpt-oss: sliding-window layers beside full attention.
+        sliding = SlidingWindowSpec(**spec, dtype=torch.float16, sliding_window=128)
+        groups.append(KVCacheGroupSpec(["sliding"], sliding))
+    return KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_models_with_several_kv_cache_groups_get_no_hit(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """With more than one KV cache group the scheduler cannot map a failed
+    load back to its request (_handle_invalid_blocks raises), so no hit is
+    offered there: the hook is not called and nothing is applied."""
+    _single_rank(monkeypatch)
+    hook_calls: list[SchedulerOutput] = []
+
+    def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
+        hook_calls.append(so)
+        return {"a": 5, "c": 5}
+
+    monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
+    so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("c", 64, 0, 36)])
+
+    one_group = _worker(kv_cache_config=_attention_groups(sliding_window=False))
+    one_group.apply(so)
+    assert one_group.applied == {"a": 5, "c": 5}
+    assert len(hook_calls) == 1
+
+    two_groups = _worker(kv_cache_config=_attention_groups(sliding_window=True))
+    assert two_groups.limits(so) == {}
+    assert two_groups.apply(so) is so
+    assert two_groups.applied is None
+    assert len(hook_calls) == 1
+
+
+def test_failed_load_on_two_group_model_cannot_be_recomputed():
+    """Why the exclusion above is needed: on a model with two KV cache groups
+    the scheduler stops on any reported block-level load failure."""
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config(),
+        kv_load_failure_policy="recompute",
+    )
+    scheduler = create_scheduler(vllm_config)
+    scheduler.kv_cache_config = _attention_groups(sliding_window=True)
+    with pytest.raises(RuntimeError, match="multiple KV cache groups"):
+        scheduler._handle_invalid_blocks({1}, {})
 
 
 def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> None:
@@ -401,8 +476,9 @@ def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> No
         connector.before_update_states = before_update_states
         so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 100, 0, 64)])
         try:
-            new_so = external_hits.WorkerExternalHits(connector).apply(so)
-            results.put((rank, new_so.applied_external_hits))
+            worker = external_hits.WorkerExternalHits(connector)
+            worker.apply(so)
+            results.put((rank, worker.applied))
         except RuntimeError as e:
             results.put((rank, str(e)))
     finally:
@@ -590,8 +666,27 @@ def test_failed_load_of_applied_hit_is_recomputed():
     output.kv_connector_output = KVConnectorOutput(
         applied_external_hits={req_id: 64}, invalid_block_ids={block_ids[2]}
     )
-    scheduler.update_from_output(so, output)
+    engine_outputs = [scheduler.update_from_output(so, output)]
 
     assert request.num_computed_tokens == 2 * 16
     assert request.num_output_tokens == 0
-    assert scheduler.schedule().num_scheduled_tokens[req_id] == 100 - 2 * 16
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens[req_id] == 100 - 2 * 16
+
+    # The recomputing step samples; the failed hit was never counted.
+    engine_outputs.append(
+        scheduler.update_from_output(so, create_model_runner_output(reqs=[request]))
+    )
+    core_outputs = [
+        o for eo in engine_outputs for co in eo.values() for o in co.outputs
+    ]
+    prefill_stats = [o.prefill_stats for o in core_outputs if o.prefill_stats]
+    assert len(prefill_stats) == 1
+    assert prefill_stats[0].num_external_cached_tokens == 0
+    connector_hits = sum(
+        eo.scheduler_stats.connector_prefix_cache_stats.hits
+        for eos in engine_outputs
+        for eo in eos.values()
+        if eo.scheduler_stats and eo.scheduler_stats.connector_prefix_cache_stats
+    )
+    assert connector_hits == 0

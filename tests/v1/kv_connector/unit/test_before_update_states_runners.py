@@ -7,6 +7,7 @@ to the state update with stand-ins for everything else, and V2's
 RequestState lives on the CPU with its staged-write kernel replaced by the
 equivalent tensor writes."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
@@ -77,12 +78,20 @@ def test_v1_runner_applies_hits_before_update_states(
         V1ModelRunner.execute_model(runner, so)
 
     assert calls == ["handle_preemptions", "before_update_states"]
-    assert updated[0].applied_external_hits == {"a": 40}
     assert updated[0].num_scheduled_tokens == {"a": 60}
+    # What maybe_get_kv_connector_output() reports to the scheduler.
+    applied = V1ModelRunner.applied_kv_connector_external_hits.fget(runner)
+    assert applied == {"a": 40}
 
 
 def _cpu_apply_write(self: StagedWriteTensor) -> None:
-    """StagedWriteTensor.apply_write() without its Triton kernel."""
+    """StagedWriteTensor.apply_write() without its Triton kernel: it takes
+    the same staging buffers, then writes with tensor ops."""
+    if not self._staged_write_indices:
+        return
+    self.write_indices.copy_to_uva(self._staged_write_indices)
+    self.write_starts.copy_to_uva(self._staged_write_starts)
+    self.write_cu_lens.copy_to_uva(self._staged_write_cu_lens)
     start = 0
     for index, row_start, end in zip(
         self._staged_write_indices,
@@ -147,7 +156,7 @@ def test_v2_hit_on_running_request_reaches_gpu_num_computed_tokens(
     runner: Any = SimpleNamespace(req_states=req_states, block_tables=MagicMock())
     V2ModelRunner.update_requests(runner, new_so)
 
-    assert new_so.applied_external_hits == {"c": 20}
+    assert kv._applied_external_hits == {"c": 20}
     assert req_states.num_computed_tokens_np[idx] == 84
     assert int(req_states.num_computed_tokens.gpu[idx]) == 84
 
@@ -216,3 +225,91 @@ def test_v2_runner_applies_hits_before_update_states():
         so, runner.req_states
     )
     assert seen == [applied]
+
+
+class _InFlightPool:
+    """Stands in for a UvaBufferPool: max_concurrency staging buffers taken
+    round robin. With async scheduling that many steps are in flight at
+    once, so a buffer taken in a step may be read by the GPU until
+    max_concurrency - 1 later steps began; taking it again before that
+    fails."""
+
+    def __init__(self, clock: SimpleNamespace, max_concurrency: int = 2):
+        self.clock = clock
+        self.taken_in_step: list[int | None] = [None] * max_concurrency
+        self.curr = 0
+        # The step of every take, in order.
+        self.takes: list[int] = []
+
+    def copy_to_uva(self, x: Any) -> torch.Tensor:
+        n = len(self.taken_in_step)
+        self.curr = (self.curr + 1) % n
+        taken = self.taken_in_step[self.curr]
+        if taken is not None and self.clock.step - taken < n:
+            raise AssertionError(
+                f"staging buffer {self.curr}, taken in step {taken}, taken "
+                f"again in step {self.clock.step} while still in flight"
+            )
+        self.taken_in_step[self.curr] = self.clock.step
+        self.takes.append(self.clock.step)
+        return torch.tensor(x)
+
+
+def test_v2_writes_num_computed_tokens_once_per_step(
+    monkeypatch: pytest.MonkeyPatch, req_states: RequestState
+):
+    """Hits on running requests are staged by the hook and written with
+    add_requests()' own write, or by the hook when no request is added: one
+    write of num_computed_tokens per step, so the staging buffers that
+    max_concurrency (2 with async scheduling) sizes for the steps in flight
+    are never taken while the previous step may still read them."""
+    _single_rank(monkeypatch)
+    clock = SimpleNamespace(step=0)
+    num_computed = req_states.num_computed_tokens
+    pools = {
+        name: _InFlightPool(clock)
+        for name in ("write_indices", "write_starts", "write_cu_lens")
+    }
+    for name, pool in pools.items():
+        monkeypatch.setattr(num_computed, name, pool)
+    connector = _make_connector("HitsConnector", hits={"a": 20, "b": 30})
+    kv = _active_kv_connector(monkeypatch, connector)
+    runner: Any = MagicMock(
+        req_states=req_states,
+        adaptive_verification=None,
+        pooling_runner=None,
+        encoder_cache=None,
+        is_last_pp_rank=False,
+        sampler=None,
+    )
+
+    def step(so: SchedulerOutput) -> None:
+        clock.step += 1
+        so.kv_connector_metadata = SimpleNamespace()
+        for i, new_req in enumerate(so.scheduled_new_reqs):
+            so.scheduled_new_reqs[i] = replace(
+                new_req, prefill_token_ids=new_req.prompt_token_ids
+            )
+        so = kv.before_update_states(so, req_states)
+        V2ModelRunner.add_requests(runner, so)
+        V2ModelRunner.update_requests(runner, so)
+        # The forward computes the scheduled tokens and advances both copies.
+        for req_id, n in so.num_scheduled_tokens.items():
+            idx = req_states.req_id_to_index[req_id]
+            req_states.num_computed_tokens.gpu[idx] += n
+            req_states.num_computed_tokens_np[idx] += n
+
+    def gpu_num_computed(req_id: str) -> int:
+        return int(num_computed.gpu[req_states.req_id_to_index[req_id]])
+
+    # Step 1: "a" is added with a hit of 20 and computes 44 of its 64.
+    step(_scheduler_output(new=[("a", 100, 0, 64)]))
+    assert gpu_num_computed("a") == 64
+    # Step 2: "a" continues with a hit while "b" is added with one.
+    step(_scheduler_output(new=[("b", 100, 0, 64)], cached=[("a", 64, 0, 36)]))
+    assert gpu_num_computed("a") == 100
+    assert gpu_num_computed("b") == 64
+    # Step 3: "b" continues with a hit; no request is added.
+    step(_scheduler_output(cached=[("b", 64, 0, 36), ("a", 100, 1, 1)]))
+    assert gpu_num_computed("b") == 100
+    assert pools["write_indices"].takes == [1, 2, 3]

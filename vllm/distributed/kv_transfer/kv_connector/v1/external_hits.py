@@ -11,7 +11,7 @@ num_tokens_computed_in_step() lets the failed-load path
 (invalid_block_ids) cover the blocks the hits skipped.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,11 @@ class WorkerExternalHits:
       prompt logprobs, pooling over every token) get nothing;
     - hybrid models with Mamba layers get nothing: the recurrent state after
       the skipped tokens is not in any block a hit could point at;
+    - models with more than one KV cache group (sliding window beside full
+      attention) get nothing: the scheduler maps a failed load back to its
+      request by block id only for a single group, and raises otherwise
+      (Scheduler._handle_invalid_blocks), so a failed hit there could not
+      be recomputed;
     - only prompt tokens of requests without speculative tokens may be
       skipped, never the last scheduled one nor the last prompt token, so
       every request keeps a token in the batch and samples from its full
@@ -58,20 +63,33 @@ class WorkerExternalHits:
     def __init__(self, connector: "KVConnectorBase_V1"):
         self.connector = connector
         self.source = f"{type(connector).__name__}.before_update_states()"
-        self.hybrid = connector._kv_cache_config.has_mamba_layers
-        if self.hybrid:
-            logger.warning_once(
-                "%s is not applied: the model has Mamba layers, whose state "
-                "cannot be loaded by token count.",
-                self.source,
+        kv_cache_config = connector._kv_cache_config
+        self.unsupported_reason: str | None = None
+        if kv_cache_config.has_mamba_layers:
+            self.unsupported_reason = (
+                "the model has Mamba layers, whose state cannot be loaded by "
+                "token count"
             )
+        elif len(kv_cache_config.kv_cache_groups) > 1:
+            self.unsupported_reason = (
+                "the model has more than one KV cache group, for which a "
+                "failed load cannot be recomputed"
+            )
+        if self.unsupported_reason is not None:
+            logger.warning_once(
+                "%s is not applied: %s.", self.source, self.unsupported_reason
+            )
+        # The hits applied by the last apply(), for this step's
+        # KVConnectorOutput.applied_external_hits.
+        self.applied: dict[str, int] | None = None
         # Requests seen in scheduled_new_reqs that must compute their prompt;
         # cached requests do not carry their sampling or pooling params.
         self._skip_reading_req_ids: set[str] = set()
 
     def apply(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """Return scheduler_output with the connector's hits applied, each the
-        minimum over the ranks that share this step's batch.
+        minimum over the ranks that share this step's batch, and set
+        ``applied`` to them (None when none was applied).
 
         Every tensor- and prefill-context-parallel rank must call this for
         every step. When a request may take a hit, every rank joins one
@@ -84,6 +102,7 @@ class WorkerExternalHits:
             RuntimeError: if the hook failed on any rank.
 
         """
+        self.applied = None
         self._track_requests(scheduler_output)
         limits = self.limits(scheduler_output)
         if not limits:
@@ -114,14 +133,16 @@ class WorkerExternalHits:
                 "stopped on every rank. Fix the connector: the hook must "
                 "return a dict of request id to a non-negative int."
             ) from error
-        return apply_external_hits(
-            scheduler_output, dict(zip(limits, agreed)), self.source
-        )
+        applied = {req_id: n for req_id, n in zip(limits, agreed) if n > 0}
+        if not applied:
+            return scheduler_output
+        self.applied = applied
+        return apply_external_hits(scheduler_output, applied, self.source)
 
     def limits(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         """Per request that may take a hit in this step (see the class
         docstring), the most tokens its hit may skip, in scheduling order."""
-        if self.hybrid:
+        if self.unsupported_reason is not None:
             return {}
         # Prompt tokens left to compute, per request that is in its prompt.
         num_prompt_tokens_left: dict[str, int] = {}
@@ -173,7 +194,9 @@ def apply_external_hits(
 
     The caller has clamped hits to WorkerExternalHits.limits(). The scheduler
     output and everything it references are left untouched: the scheduler
-    still owns them.
+    still owns them. The copy does not say which hits it carries: the
+    caller reports them (KVConnectorOutput.applied_external_hits), so the
+    scheduler output that every step sends does not grow.
     """
     validate_external_hits(hits, source)
     applied = {req_id: n for req_id, n in hits.items() if n > 0}
@@ -209,25 +232,28 @@ def apply_external_hits(
         ),
         # The hit tokens' KV must be in place before this step's forward.
         has_sync_kv_loads=True,
-        applied_external_hits=applied,
     )
 
 
 def stage_applied_external_hits(
-    req_states: "RequestState", scheduler_output: SchedulerOutput
+    req_states: "RequestState",
+    scheduler_output: SchedulerOutput,
+    applied: Mapping[str, int],
 ) -> None:
     """Write the advanced num_computed_tokens of running requests with a hit
-    to Model Runner V2's GPU copy.
+    to Model Runner V2's GPU copy, within the step's one write of it.
 
     V2 writes num_computed_tokens to the GPU only in add_request() and then
     advances it on the GPU; update_requests() refreshes only the CPU mirror.
     A hit on a running request (a later chunk of a chunked prefill) must
     reach the GPU too, or positions and slot mappings are computed from the
     old count. New requests get the advanced count through add_request().
+
+    Call before add_requests(). Each write uses the next of the staging
+    buffers that the tensor round-robins over, sized for one write per step
+    in flight: in a step that adds requests the write is only staged and
+    add_requests() applies it with theirs; otherwise it is applied here.
     """
-    applied = scheduler_output.applied_external_hits
-    if not applied:
-        return
     cached_reqs = scheduler_output.scheduled_cached_reqs
     num_computed = req_states.num_computed_tokens
     staged = False
@@ -239,7 +265,7 @@ def stage_applied_external_hits(
                 req_states.req_id_to_index[req_id], num_computed_tokens
             )
             staged = True
-    if staged:
+    if staged and not scheduler_output.scheduled_new_reqs:
         num_computed.apply_write()
 
 
@@ -279,18 +305,21 @@ def all_reduce_min(values: list[int], groups: Sequence[dist.ProcessGroup]) -> li
 def record_applied_external_hits(
     requests: Mapping[str, "Request"],
     applied_external_hits: Mapping[str, int],
+    failed_kv_load_req_ids: Collection[str],
     connector_prefix_cache_stats: "PrefixCacheStats | None",
 ) -> None:
     """Count tokens that workers loaded instead of computing as external
     cache hits, so cached_tokens and the prefix cache metrics include them.
 
-    Must run before the step's outputs are built: a request's prefill stats
-    leave with its first output.
+    Must run after the step's failed loads are handled and before its
+    outputs are built (a request's prefill stats leave with its first
+    output). A request whose load failed in this step counts no hit: it is
+    recomputed from the failed block, or failed.
     """
     for req_id, num_tokens in applied_external_hits.items():
         request = requests.get(req_id)
-        if request is None:
-            # Aborted while the step ran.
+        if request is None or req_id in failed_kv_load_req_ids:
+            # Aborted while the step ran, or its load failed.
             continue
         preempted = request.num_preemptions > 0
         # Prefill stats describe the first prefill only, as for the
