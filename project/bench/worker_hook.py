@@ -103,9 +103,10 @@ def apply_cost(model_dir: str, n: int, reps: int) -> dict[str, float]:
     so = scheduler.schedule()
     schedule_s = time.perf_counter() - t0
     assert len(so.scheduled_new_reqs) == n, len(so.scheduled_new_reqs)
-    # A connector stand-in: the worker only reads its KV cache config.
+    # A connector stand-in: the worker only reads its KV cache config (one
+    # group, no Mamba layers: hits allowed).
     connector: Any = SimpleNamespace(
-        _kv_cache_config=SimpleNamespace(has_mamba_layers=False)
+        _kv_cache_config=SimpleNamespace(has_mamba_layers=False, kv_cache_groups=[None])
     )
     worker = WorkerExternalHits(connector)
     seconds = []
