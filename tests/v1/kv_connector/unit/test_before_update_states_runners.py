@@ -84,6 +84,54 @@ def test_v1_runner_applies_hits_before_update_states(
     assert applied == {"a": 40}
 
 
+def test_v1_gpu_model_runner_updates_its_states_with_the_hits(
+    monkeypatch: pytest.MonkeyPatch, dist_init
+):
+    """A real V1 GPUModelRunner on this machine's device (CPU here), set up as
+    in tests/v1/worker: the hits applied before its state update are what
+    its request states and persistent batch hold, and what it reports."""
+    from tests.v1.worker.test_gpu_model_runner import (
+        DEVICE_TYPE,
+        get_vllm_config,
+        initialize_kv_cache,
+    )
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.sampling_params import SamplingParams
+
+    _single_rank(monkeypatch)
+    connector = _make_connector("HitsConnector", hits={"a": 40})
+    monkeypatch.setattr(
+        "vllm.v1.worker.kv_connector_model_runner_mixin.get_kv_transfer_group",
+        lambda: connector,
+    )
+    vllm_config = get_vllm_config()
+    with set_current_vllm_config(vllm_config):
+        model_config = vllm_config.model_config
+        vllm_config.compilation_config.static_forward_context["layer.0"] = Attention(
+            model_config.get_num_kv_heads(vllm_config.parallel_config),
+            model_config.get_head_size(),
+            0.1,
+        )
+        runner = V1ModelRunner(vllm_config, DEVICE_TYPE)
+        initialize_kv_cache(runner)
+
+        so = _scheduler_output(new=[("a", 100, 0, 100)])
+        so.scheduled_new_reqs[0] = replace(
+            so.scheduled_new_reqs[0],
+            sampling_params=SamplingParams(),
+            block_ids=(list(range(7)),),
+        )
+        so = runner.apply_kv_connector_external_hits(so)
+        runner._update_states(so)
+
+    assert runner.requests["a"].num_computed_tokens == 40
+    idx = runner.input_batch.req_id_to_index["a"]
+    assert runner.input_batch.num_computed_tokens_cpu[idx] == 40
+    assert so.num_scheduled_tokens == {"a": 60}
+    assert runner.applied_kv_connector_external_hits == {"a": 40}
+
+
 def _cpu_apply_write(self: StagedWriteTensor) -> None:
     """StagedWriteTensor.apply_write() without its Triton kernel: it takes
     the same staging buffers, then writes with tensor ops."""
