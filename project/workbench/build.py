@@ -37,6 +37,8 @@ CUDA_VERSION = f"{upstream.RELEASE}+{LOCAL_LABEL}"
 # break `import vllm` ("operator torchvision::nms does not exist"), and no text
 # model needs them.
 CPU_DROPPED_REQUIREMENTS = ("torchaudio", "torchvision", "torchcodec")
+# Where the NVIDIA driver is, an NVIDIA GPU is (also without nvidia-smi).
+NVIDIA_DEVICE_NODE = Path("/dev/nvidia0")
 
 
 def target_device() -> tuple[str, str]:
@@ -53,10 +55,10 @@ def target_device() -> tuple[str, str]:
         return device, f"VLLM_TARGET_DEVICE={device}"
     if shutil.which("nvidia-smi") is not None:
         return "cuda", "nvidia-smi is on PATH"
-    if Path("/dev/nvidia0").exists():
-        return "cuda", "/dev/nvidia0 exists"
+    if NVIDIA_DEVICE_NODE.exists():
+        return "cuda", f"{NVIDIA_DEVICE_NODE} exists"
     return "cpu", (
-        "no NVIDIA GPU found (no nvidia-smi on PATH, no /dev/nvidia0); "
+        f"no NVIDIA GPU found (no nvidia-smi on PATH, no {NVIDIA_DEVICE_NODE}); "
         "VLLM_TARGET_DEVICE=cuda builds the CUDA wheel"
     )
 
