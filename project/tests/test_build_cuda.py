@@ -1,7 +1,7 @@
 """The CUDA build of the real stack: the pinned ``vllm`` release wheel, repacked.
 
 Built twice per session, at the same time (the release is ~326 MB, a repack
-about a minute): once by ``build.build_cuda`` and once by ``pip wheel .`` with
+about a minute): once by ``build.repack`` and once by ``pip wheel .`` with
 ``VLLM_TARGET_DEVICE=cuda``, the path ``pip install .`` takes on a GPU
 machine. The CUDA kernels cannot load here (no CUDA libraries); they are
 checked byte for byte against the release instead.
@@ -80,7 +80,7 @@ def cuda_builds(tmp_path_factory: pytest.TempPathFactory) -> CudaBuilds:
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps"]
     pip_wheel += ["--no-build-isolation", "--no-index", "-w", str(out / "pip")]
     with ThreadPoolExecutor(1) as pool:
-        direct = pool.submit(build.build_cuda, real_stack, out / "direct")
+        direct = pool.submit(build.repack, real_stack, build.CUDA, out / "direct")
         pip = subprocess.run(
             [*pip_wheel, str(REPO)],
             env={**os.environ, "VLLM_TARGET_DEVICE": "cuda"},

@@ -78,8 +78,8 @@ class ReleaseBuild:
 
     @property
     def tag(self) -> str:
-        """The release file's compatibility tag: its WHEEL file says only
-        ``linux_x86_64``, the registry's file name the manylinux it meets."""
+        """The release file's compatibility tag: the release's WHEEL file says
+        ``linux_x86_64``, its file name the manylinux it was built for."""
         return self.release.filename.removesuffix(".whl").split("-", 2)[2]
 
     @property
@@ -198,10 +198,6 @@ def repack(stack: Stack, target: ReleaseBuild, out_dir: Path) -> Path:
 
 def build_cpu(stack: Stack, out_dir: Path) -> Path:
     return repack(stack, CPU, out_dir)
-
-
-def build_cuda(stack: Stack, out_dir: Path) -> Path:
-    return repack(stack, CUDA, out_dir)
 
 
 def build(stack: Stack, out_dir: Path, device: str | None = None) -> Path:
