@@ -2,7 +2,10 @@
 
 pip runs this in its isolated build environment. The wheel comes from
 ``workbench.build`` for the target device (``VLLM_TARGET_DEVICE``, default:
-what the machine has); pip then installs it with its dependencies.
+what the machine has): the pinned CPU or CUDA release wheel with the stack
+applied. pip then installs it with the release's dependencies. The line naming
+the build and why shows with ``pip install -v .``; the version pip reports
+installing says it too (``+kvlc.cpu`` or ``+kvlc``).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 def get_requires_for_build_wheel(config_settings: object = None) -> list[str]:
-    if build.target_device() == "cuda":
-        return list(build.CUDA_BUILD_REQUIRES)
     return ["wheel"]
 
 

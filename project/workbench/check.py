@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workbench import edited, lint, prtext, upstream
-from workbench.build import refuse_cpu_divergent
+from workbench.build import BUILDS, refuse_divergent
 from workbench.errors import WorkbenchError
 from workbench.export import am_onto_base, format_patches
 from workbench.gitutil import BASE_REF, git_text
@@ -140,10 +140,11 @@ def check(stack: Stack, *, run_lint: bool = True) -> list[str]:
         problems.append(
             f"{path} is not owned by any entry; list it in one entry's owned-files"
         )
-    try:
-        refuse_cpu_divergent(stack)
-    except WorkbenchError as e:
-        problems.append(str(e))
+    for target in BUILDS.values():
+        try:
+            refuse_divergent(stack, target)
+        except WorkbenchError as e:
+            problems.append(str(e))
     for entry, path, line in added_lines(stack):
         if _TYPE_IGNORE.search(line):
             problems.append(
