@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvlc_store.transfer import BlockLayout, bytes_view
+
+# torch.cuda's Stream and Event constructors are not annotated.
+_new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
+_new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class DeviceTransfer:
         self.block_bytes = sum(self._row_bytes)
         cuda = self.device.type == "cuda"
         self.pool = HostPool(pool_bytes, self.block_bytes, pin=cuda)
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._stream = _new_stream(self.device) if cuda else None
         self._compute_done: torch.cuda.Event | None = None
 
     # -- ordering ---------------------------------------------------------
@@ -137,7 +141,7 @@ class DeviceTransfer:
         copies queued after this wait for the work queued before it."""
         if self._stream is None:
             return None
-        event = torch.cuda.Event()
+        event = _new_event()
         event.record(torch.cuda.current_stream(self.device))
         self._compute_done = event
         return event
@@ -155,7 +159,7 @@ class DeviceTransfer:
     def _done(self) -> torch.cuda.Event | None:
         if self._stream is None:
             return None
-        event = torch.cuda.Event()
+        event = _new_event()
         event.record(self._stream)
         return event
 

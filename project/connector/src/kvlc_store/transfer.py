@@ -85,12 +85,12 @@ class BlockLayout:
         same-size integers: row ``b`` holds block ``b``'s elements in the
         payload's order (``kv.narrow(dim, b * per, per)``'s), so gathering
         rows yields the blocks' payload bytes, layer by layer."""
-        return [
-            kv.view(_BITS[kv.element_size()])
-            .unflatten(dim, (kv.shape[dim] // per, per))
-            .movedim(dim, 0)
-            for kv, dim, per in self._layers
-        ]
+        views = []
+        for kv, dim, per in self._layers:
+            # Splitting one dimension is a view of any strides.
+            split = (*kv.shape[:dim], kv.shape[dim] // per, per, *kv.shape[dim + 1 :])
+            views.append(kv.view(_BITS[kv.element_size()]).view(split).movedim(dim, 0))
+        return views
 
     def _views(self, block_id: int) -> list[torch.Tensor]:
         return [kv.narrow(dim, block_id * per, per) for kv, dim, per in self._layers]
