@@ -3,9 +3,9 @@
 ``wait_for_save`` only records an event after the step's forward and hands
 the step's saves to a thread here. The thread gathers the blocks in batches
 through the host pool (``DeviceTransfer.gather``, on the side stream, after
-that event), queues as many batches as the pool holds, and writes each
-chunk (digest, header, backend put) once its batch is on the host, so the
-next batch's copy overlaps the writes of the one before.
+that event), two batches in flight of at most a quarter of the pool each,
+and writes each chunk (digest, header, backend put) once its batch is on
+the host, so the next batch's copy overlaps the writes of the one before.
 
 The blocks must keep their KV until gathered. Prompt blocks are not written
 again while their request runs; when it finishes, vLLM keeps its blocks
@@ -138,8 +138,10 @@ class AsyncSaves:
         try:
             while i < len(job.saves) or in_flight:
                 region = None
-                if i < len(job.saves):
-                    want = len(job.saves) - i
+                if i < len(job.saves) and len(in_flight) < 2:
+                    # Two runs of a quarter of the pool at most: the other
+                    # half stays for loads, which the next forward waits for.
+                    want = min(len(job.saves) - i, max(1, pool.max_run // 2))
                     # Wait for the pool only while holding none of it.
                     region = pool.try_take(want) if in_flight else pool.take(want)
                 if region is not None:

@@ -284,7 +284,9 @@ class SchedulerSide:
                             [core.keys(h) for h in request.block_hashes[start:end]],
                         )
                     )
-        meta.preempted = set(scheduler_output.preempted_req_ids or ()) & self._sending
+        if self._sending:
+            preempted = set(scheduler_output.preempted_req_ids or ())
+            meta.preempted = preempted & self._sending
         if self.lazy is not None:
             self.lazy.plan(
                 lambda block_id, block_hash: meta.saves.append(

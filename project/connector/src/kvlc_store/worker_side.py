@@ -262,7 +262,7 @@ class WorkerSide:
         return checked, None
 
     def start_load(self, meta: StoreMetadata) -> None:
-        if self._device is not None and (meta.loads or self._worker_loads):
+        if self._device is not None and meta.loads:
             # Loads write blocks the forwards queued so far may still use.
             self._device.mark_compute()
         for spec in meta.loads:
