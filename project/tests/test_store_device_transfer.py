@@ -22,18 +22,22 @@ import torch
 from kvlc_store.backends import BackendUnavailable, Data, DirectoryBackend
 from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
-from kvlc_store.core import StoreCore
+from kvlc_store.core import StoreCore, make_backend
 from kvlc_store.device_transfer import DeviceTransfer, HostPool
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.transfer import BlockLayout
 from kvlc_store.worker_side import WorkerSide
+from redis_server import running_redis
 
 NB = 7  # blocks
 BS = 4  # tokens per block
 H, D = 2, 8
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
+# On a machine with a GPU the same tests run there too (side stream, events,
+# pinned pool).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _random(shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -81,23 +85,30 @@ LAYOUTS: dict[str, Callable[[torch.dtype, int], torch.Tensor]] = {
 }
 
 
-def caches(layout: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+def caches(
+    layout: str, dtype: torch.dtype, seed: int, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     make = LAYOUTS[layout]
     # Three layers, named out of order: the payload sorts them by name.
-    return {name: make(dtype, seed + i) for i, name in enumerate(("l.2", "l.0", "l.1"))}
+    return {
+        name: make(dtype, seed + i).to(device)
+        for i, name in enumerate(("l.2", "l.0", "l.1"))
+    }
 
 
 def raw(kv: dict[str, torch.Tensor]) -> list[bytes]:
     """Every layer's storage, as bytes."""
     return [
-        bytes(t.untyped_storage()) for _, t in sorted(kv.items(), key=lambda x: x[0])
+        bytes(t.cpu().untyped_storage())
+        for _, t in sorted(kv.items(), key=lambda x: x[0])
     ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gather_is_the_per_block_payload(layout: str, dtype: torch.dtype):
-    kv = caches(layout, dtype, 1)
+def test_gather_is_the_per_block_payload(layout: str, dtype: torch.dtype, device: str):
+    kv = caches(layout, dtype, 1, device)
     per_block = BlockLayout(kv, NB)
     transfer = DeviceTransfer(per_block, 64 * per_block.block_bytes)
     assert transfer.block_bytes == per_block.block_bytes
@@ -109,9 +120,12 @@ def test_gather_is_the_per_block_payload(layout: str, dtype: torch.dtype):
         assert b"".join(parts) == bytes(per_block.staged(b).numpy())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_scatter_writes_what_unstage_writes(layout: str, dtype: torch.dtype):
+def test_scatter_writes_what_unstage_writes(
+    layout: str, dtype: torch.dtype, device: str
+):
     """Payloads of other blocks scattered into blocks 1, 4 and 2 (one of a
     batch's rows left out, as a chunk that failed its checks is): the KV
     cache ends byte for byte as after ``unstage`` of the same payloads."""
@@ -119,12 +133,12 @@ def test_scatter_writes_what_unstage_writes(layout: str, dtype: torch.dtype):
     payloads = [source.staged(b) for b in (0, 2, 5, 6)]
     targets, rows = [1, 4, 2], [0, 2, 3]
 
-    expected = caches(layout, dtype, 1)
+    expected = caches(layout, dtype, 1, device)
     reference = BlockLayout(expected, NB)
     for b, row in zip(targets, rows, strict=True):
         reference.unstage(b, payloads[row])
 
-    kv = caches(layout, dtype, 1)
+    kv = caches(layout, dtype, 1, device)
     transfer = DeviceTransfer(BlockLayout(kv, NB), 64 * reference.block_bytes)
     region = transfer.pool.take(len(payloads))
     for j, payload in enumerate(payloads):
@@ -192,17 +206,21 @@ class GatedBackend(DirectoryBackend):
 
 
 def make(
-    tmp_path: Path, pool_blocks: int = 64, layout: str = "kv-split-blocks-dim1"
+    tmp_path: Path,
+    pool_blocks: int = 64,
+    layout: str = "kv-split-blocks-dim1",
+    device: str = "cpu",
 ) -> tuple[StoreCore, WorkerSide, dict[str, torch.Tensor], GatedBackend]:
-    kv = caches(layout, torch.bfloat16, 3)
+    kv = caches(layout, torch.bfloat16, 3, device)
     store = tmp_path / "store"
     pool_bytes = pool_blocks * BlockLayout(kv, NB).block_bytes
     config = parse_config({"path": str(store), "pinned_buffer": pool_bytes})
     backend = GatedBackend(store)
     core = StoreCore(config, backend, IDENT, 1)
     worker = WorkerSide(core, BS)
-    worker.register(kv, NB, 0)
-    worker.start_batched_transfers()
+    worker.register(kv, NB, 0)  # on a GPU, batched already
+    if device == "cpu":
+        worker.start_batched_transfers()
     return core, worker, kv, backend
 
 
@@ -218,12 +236,10 @@ def payloads(kv: dict[str, torch.Tensor], ids: Sequence[int]) -> list[bytes]:
     return [bytes(layout.staged(b).numpy()) for b in ids]
 
 
-@pytest.mark.parametrize("layout", ["kv-split-blocks-dim1", "hnd-strided"])
-def test_saves_then_loads_in_batches_are_exact(tmp_path: Path, layout: str):
-    """A pool of 4 blocks (batches of 2, two in flight): 5 blocks saved and
-    3 loaded in several batches; the chunks hold the per-block payloads, the
-    loaded blocks the saved ones."""
-    core, worker, kv, _ = make(tmp_path, pool_blocks=4, layout=layout)
+def round_trip(core: StoreCore, worker: WorkerSide, kv: dict[str, torch.Tensor]):
+    """5 blocks saved and 3 loaded into other blocks, in several batches of
+    a pool of 4 blocks (batches of 2, two in flight): the chunks hold the
+    per-block payloads, the loaded blocks the saved ones."""
     bb = BlockLayout(kv, NB).block_bytes
     assert worker._device is not None and worker._device.pool.max_run == 2
     saved = payloads(kv, range(5))
@@ -245,6 +261,35 @@ def test_saves_then_loads_in_batches_are_exact(tmp_path: Path, layout: str):
     assert payloads(kv, [6, 4, 5]) == [saved[0], saved[2], saved[3]]
     assert core.stats.data["loaded_bytes"] == 3 * (HEADER_BYTES + bb)
     worker.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["kv-split-blocks-dim1", "hnd-strided"])
+def test_saves_then_loads_in_batches_are_exact(
+    tmp_path: Path, layout: str, device: str
+):
+    core, worker, kv, _ = make(tmp_path, 4, layout, device)
+    round_trip(core, worker, kv)
+
+
+def test_saves_then_loads_in_batches_through_redis(tmp_path: Path):
+    kv = caches("kv-split-blocks-dim1", torch.bfloat16, 3)
+    with running_redis(tmp_path / "redis") as server:
+        config = parse_config(
+            {
+                "backend": "redis",
+                "redis_url": server.url,
+                "pinned_buffer": 4 * BlockLayout(kv, NB).block_bytes,
+            }
+        )
+        core = StoreCore(config, make_backend(config), IDENT, 1)
+        worker = WorkerSide(core, BS)
+        worker.register(kv, NB, 0)
+        worker.start_batched_transfers()
+        try:
+            round_trip(core, worker, kv)
+        finally:
+            core.backend.close()
 
 
 def test_damaged_and_missing_chunks_in_a_batch(tmp_path: Path):

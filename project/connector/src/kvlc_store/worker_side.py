@@ -48,8 +48,8 @@ from kvlc_store.transfer import BlockLayout
 
 # Threads that read a batch of chunks from the directory store: file reads
 # release the GIL and scale with threads (page cache on an H100 host: 5.2
-# GB/s on one, 18.5 on four); the digest holds it, but overlaps the others'
-# reads.
+# GB/s on one, 18.5 on four), and each thread digests its own chunks, so the
+# digests overlap the other threads' reads.
 READ_THREADS = 4
 
 # One chunk's read and checks: its head and the error it failed with.
