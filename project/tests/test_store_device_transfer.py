@@ -12,6 +12,10 @@ request's blocks until its saves are written (``get_finished``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +33,7 @@ from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.transfer import BlockLayout
 from kvlc_store.worker_side import WorkerSide
 from redis_server import running_redis
+from workbench.hf_fixture import write_hf_cache
 
 NB = 7  # blocks
 BS = 4  # tokens per block
@@ -430,3 +435,45 @@ def test_scheduler_keeps_the_blocks_of_requests_saved_off_the_forward(
         assert meta.preempted == ({"s"} if async_saves else set())
         assert scheduler.finished(saving) is async_saves  # type: ignore[arg-type]
         assert scheduler.finished(idle) is False  # type: ignore[arg-type]
+
+
+def test_vllm_keeps_a_finished_requests_blocks_until_its_saves_are_written(
+    tmp_path: Path,
+):
+    """Under vLLM's real scheduler (``store_delay_free_driver.py``), a
+    request computed and finished in one step: on the CPU path its blocks are
+    freed at once and nothing is reported; with saves off the forward's path
+    they stay held (``delay_free_blocks``) until the worker reports the
+    request in ``get_finished``, which it does only once both chunks are
+    stored."""
+    driver = Path(__file__).resolve().parent / "store_delay_free_driver.py"
+    env = {
+        **os.environ,
+        "HF_HOME": str(write_hf_cache(tmp_path / "hf")),
+        "HF_HUB_OFFLINE": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, str(driver), str(tmp_path / "stores")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    modes = json.loads(lines[-1].removeprefix("RESULT "))
+
+    sync = modes["sync"]["steps"]
+    assert sync[0]["saves"] == [[1, None], [2, None]]
+    assert not sync[0]["held"] and sync[0]["free"] and sync[0]["stored"] == 2
+    assert all(not step["sending"] for step in sync)
+
+    steps = modes["async"]["steps"]
+    assert steps[0]["saves"] == [[1, "r"], [2, "r"]]
+    reported = [i for i, step in enumerate(steps) if step["sending"]]
+    assert len(reported) == 1 and steps[reported[0]]["sending"] == ["r"]
+    assert reported[0] >= 1  # finished_req_ids reach the workers a step later
+    assert all(step["held"] and not step["free"] for step in steps[: reported[0]])
+    last = steps[reported[0]]
+    assert not last["held"] and last["free"] and last["stored"] == 2
