@@ -115,8 +115,8 @@ class DeviceTransfer:
     """Gathers and scatters of one worker's KV cache through a ``HostPool``.
 
     On CUDA the copies run on a side stream, each batch ending with an event
-    (``wait`` blocks on it); elsewhere they run in the caller's order and
-    the events are None.
+    (``wait`` blocks on it); elsewhere they run in the caller's order, the
+    host copies blocking, and the events are None.
 
     Args:
         layout: the worker's KV cache.
@@ -132,6 +132,8 @@ class DeviceTransfer:
         cuda = self.device.type == "cuda"
         self.pool = HostPool(pool_bytes, self.block_bytes, pin=cuda)
         self._stream = _new_stream(self.device) if cuda else None
+        # Asynchronous host copies only where an event tells when they end.
+        self._async_copies = cuda
         self._compute_done: torch.cuda.Event | None = None
 
     # -- ordering ---------------------------------------------------------
@@ -191,7 +193,7 @@ class DeviceTransfer:
         return parts
 
     def _staging(self, region: Region) -> torch.Tensor:
-        if self._stream is None:
+        if self.device.type == "cpu":
             return region.host
         return torch.empty_like(region.host, device=self.device)
 
@@ -213,7 +215,7 @@ class DeviceTransfer:
             ):
                 torch.index_select(blocks, 0, idx, out=out)
             if staging is not region.host:
-                region.host.copy_(staging, non_blocking=True)
+                region.host.copy_(staging, non_blocking=self._async_copies)
             return self._done()
 
     def scatter(
@@ -227,7 +229,7 @@ class DeviceTransfer:
         with self._side(self._compute_done):
             staging = self._staging(region)
             if staging is not region.host:
-                staging.copy_(region.host, non_blocking=True)
+                staging.copy_(region.host, non_blocking=self._async_copies)
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             pick = None
             if len(rows) < region.count:
