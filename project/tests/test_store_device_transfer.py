@@ -477,3 +477,15 @@ def test_vllm_keeps_a_finished_requests_blocks_until_its_saves_are_written(
     assert all(step["held"] and not step["free"] for step in steps[: reported[0]])
     last = steps[reported[0]]
     assert not last["held"] and last["free"] and last["stored"] == 2
+
+
+def test_pinned_buffer_setting(tmp_path: Path):
+    path = str(tmp_path / "store")
+    assert parse_config({"path": path}).pinned_buffer_bytes == 256 * 2**20
+    assert (
+        parse_config({"path": path, "pinned_buffer": "1GiB"}).pinned_buffer_bytes
+        == 2**30
+    )
+    for bad in ("lots", 0, -1, True):
+        with pytest.raises(ValueError, match=r"\['pinned_buffer'\] = .*positive size"):
+            parse_config({"path": path, "pinned_buffer": bad})
