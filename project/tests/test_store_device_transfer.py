@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -412,8 +413,6 @@ def test_scheduler_keeps_the_blocks_of_requests_saved_off_the_forward(
     core = StoreCore(
         parse_config({"path": str(store)}), DirectoryBackend(store, 10**9), IDENT, 1
     )
-    from types import SimpleNamespace
-
     for async_saves in (False, True):
         scheduler = SchedulerSide(core, BS, worker_hits=False, manager=lambda: None)
         scheduler.async_saves = async_saves
