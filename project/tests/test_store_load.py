@@ -6,6 +6,7 @@ deleted and reported as a load error (vLLM then recomputes the block).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,13 +94,18 @@ def test_corruption_found_at_load_is_a_load_error(tmp_path: Path):
     assert core.backend.get(key(0)) is not None
 
 
-def test_kv_cache_off_the_host_goes_through_a_host_buffer(tmp_path: Path):
-    """The path of a KV cache on an accelerator (``on_host`` False), run on
-    host tensors: save from a staged copy, load through a host buffer."""
+def test_kv_cache_off_the_host_goes_through_the_host_pool(tmp_path: Path):
+    """The path of a KV cache on an accelerator, run on host tensors: saves
+    gathered into the host pool and written by the save thread, loads read
+    into the pool and scattered (test_store_device_transfer.py has more)."""
     core, worker, caches = make(tmp_path)
-    worker.layout.on_host = False
+    worker.start_batched_transfers()
     saved = block(caches, 2)
-    worker.save(StoreMetadata(saves=[SaveSpec(2, [key(2)])]))
+    worker.save(StoreMetadata(saves=[SaveSpec(2, [key(2)], req_id="w")]))
+    deadline = time.monotonic() + 30
+    while not worker.finished_saves({"w"}):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     worker.start_load(StoreMetadata(loads=[LoadSpec("r", None, [5], [[key(2)]])]))
     assert worker.take_load_errors() == set()
     assert all(torch.equal(x, y) for x, y in zip(block(caches, 5), saved, strict=True))

@@ -23,6 +23,9 @@ DEFAULT_CAPACITY = 8 * 1024**3
 DEFAULT_LEASE_TTL_S = 60.0
 DEFAULT_NAMESPACE = "kvlc"
 DEFAULT_REDIS_TIMEOUT_S = 2.0
+# Host memory for batched transfers of a KV cache on an accelerator: 64
+# blocks of an 8B model's 2 MiB per batch, two batches in flight.
+DEFAULT_PINNED_BUFFER = 256 * 1024**2
 
 _KEYS = {
     "backend": "'directory' (default) or 'redis'",
@@ -44,6 +47,8 @@ _KEYS = {
     "default, is off)",
     "load_async": "load hits beside the steps of other requests, as vLLM's "
     "asynchronous KV loads (true/false; default false)",
+    "pinned_buffer": "pinned host memory for the batched transfers of a KV "
+    "cache on a GPU (bytes or a size like '1GiB'; default 256MiB)",
 }
 
 # Keys of kv_connector_extra_config that vLLM itself reads: allowed, ignored.
@@ -79,6 +84,7 @@ class StoreConfig:
     offload_window_blocks: int | None
     prefetch_buffer_bytes: int = 0
     load_async: bool = False
+    pinned_buffer_bytes: int = DEFAULT_PINNED_BUFFER
 
 
 def parse_size(value: object) -> int | None:
@@ -206,6 +212,13 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
     )
 
     load_async = setting("load_async", False, _bool, "set true or false")
+    pinned_buffer = setting(
+        "pinned_buffer",
+        DEFAULT_PINNED_BUFFER,
+        _positive_size,
+        "set a positive size in bytes or like '1GiB' (at least one KV-cache "
+        "block: smaller is raised to one)",
+    )
 
     if load_async and not scheduler_lookup:
         bad(
@@ -287,6 +300,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         offload_window_blocks=None if window == "auto" else window,
         prefetch_buffer_bytes=prefetch_buffer,
         load_async=load_async,
+        pinned_buffer_bytes=pinned_buffer,
     )
 
 

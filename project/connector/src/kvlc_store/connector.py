@@ -25,17 +25,19 @@ released at the next lookup of the request or when it finishes. Every lease
 also expires after ``lease_ttl_s``.
 
 Worker side (``worker_side.py``, over ``transfer.py``'s view of the KV
-cache): ``start_load_kv`` reads the planned chunks straight into their
-blocks, checks each once (header and payload digest) and releases their
-lease (with ``load_async``, on a thread beside the steps, reported through
+cache; on a GPU batched through pinned memory, ``device_transfer.py``):
+``start_load_kv`` reads the planned chunks straight into their blocks,
+checks each once (header and payload digest) and releases their lease (with
+``load_async``, on a thread beside the steps, reported through
 ``get_finished``: ``async_load.py``); ``wait_for_save`` writes the step's
-newly filled prompt blocks that the store lacks, straight from the KV
-cache; ``before_update_states`` looks up blocks of new prompts that were
-not found when the step was scheduled (another server may have stored them
-since), loads them and reports them as hits. A chunk that fails its checks
-is deleted, counted and logged once; at load time its block is reported
-through ``get_block_ids_with_load_errors``, and vLLM recomputes it under
-``kv_load_failure_policy: recompute``.
+newly filled prompt blocks that the store lacks, straight from the KV cache
+(on a GPU on a thread, a finished request's blocks kept until its saves are
+written: ``async_save.py``); ``before_update_states`` looks up blocks of
+new prompts that were not found when the step was scheduled (another server
+may have stored them since), loads them and reports them as hits. A chunk
+that fails its checks is deleted, counted and logged once; at load time its
+block is reported through ``get_block_ids_with_load_errors``, and vLLM
+recomputes it under ``kv_load_failure_policy: recompute``.
 """
 
 from __future__ import annotations
@@ -148,6 +150,9 @@ class StoreConnector(KVConnectorBase_V1):
             self._scheduler.prefetcher = Prefetcher(
                 make_backend(config), config.prefetch_buffer_bytes, self._core.stats
             )
+        # On an accelerator the workers save off the forward's path, and a
+        # finished request's blocks wait for its saves (request_finished).
+        self._scheduler.async_saves = vllm_config.device_config.device_type != "cpu"
         self._worker = WorkerSide(self._core, self._block_size)
         logger.info(
             "StoreConnector (%s) on %s backend, identity %s; stack hooks: "
@@ -277,8 +282,7 @@ class StoreConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request)
-        return False, None
+        return self._scheduler.finished(request), None
 
     # ------------------------------------------------------------------
     # Worker side
@@ -298,6 +302,10 @@ class StoreConnector(KVConnectorBase_V1):
         if not isinstance(meta, StoreMetadata) or not meta.probes:
             return {}
         return self._worker.before_update_states(meta)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, StoreMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -323,7 +331,10 @@ class StoreConnector(KVConnectorBase_V1):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.finished_loads(finished_req_ids)
+        return (
+            self._worker.finished_saves(finished_req_ids),
+            self._worker.finished_loads(finished_req_ids),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -56,6 +56,10 @@ class SaveSpec:
     # Lazy offload: the scheduler pinned the block until the workers report
     # the save done.
     pinned: bool = False
+    # Saves off the forward's path (a KV cache on an accelerator): the
+    # request whose blocks vLLM keeps, once it finishes, until the workers
+    # report its saves written (get_finished).
+    req_id: str | None = None
 
 
 @dataclass
@@ -65,3 +69,6 @@ class StoreMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     # The scheduler side's prefetch buffer, when prefetch is on.
     buffer_dir: str | None = None
+    # Requests preempted by this step whose saves may be in flight: their
+    # blocks are free, so the workers finish those saves first.
+    preempted: set[str] = field(default_factory=set)

@@ -65,6 +65,10 @@ class SchedulerSide:
         self._saved_until: dict[str, int] = {}
         # Prefetch: arrived since the last step, not yet handed over.
         self._arrivals: dict[str, Request] = {}
+        # Workers save off the forward's path (a KV cache on an accelerator):
+        # a finished request's blocks stay until its saves are written.
+        self.async_saves = False
+        self._sending: set[str] = set()  # requests with such saves planned
 
     def arrived(self, request: Request) -> None:
         """vLLM added ``request`` to the scheduler's queue."""
@@ -245,8 +249,14 @@ class SchedulerSide:
                     if i < loaded:
                         continue  # Read from the store: already there.
                     meta.saves.append(
-                        SaveSpec(block_ids[i], core.keys(request.block_hashes[i]))
+                        SaveSpec(
+                            block_ids[i],
+                            core.keys(request.block_hashes[i]),
+                            req_id=req_id if self.async_saves else None,
+                        )
                     )
+                    if self.async_saves:
+                        self._sending.add(req_id)
                 self._saved_until[req_id] = done
             # Worker-side lookup: blocks of a new prompt not found (or not
             # looked up) when this step was scheduled. Whole blocks before
@@ -274,6 +284,9 @@ class SchedulerSide:
                             [core.keys(h) for h in request.block_hashes[start:end]],
                         )
                     )
+        if self._sending:
+            preempted = set(scheduler_output.preempted_req_ids or ())
+            meta.preempted = preempted & self._sending
         if self.lazy is not None:
             self.lazy.plan(
                 lambda block_id, block_hash: meta.saves.append(
@@ -325,7 +338,9 @@ class SchedulerSide:
             return []
         return list(manager.get_block_ids(req_id)[0])
 
-    def finished(self, request: Request) -> None:
+    def finished(self, request: Request) -> bool:
+        """``request`` finished; whether vLLM must keep its blocks until the
+        workers report its saves written (``delay_free_blocks``)."""
         req_id = request.request_id
         stale = self._pending.pop(req_id, None)
         if stale is not None:
@@ -336,3 +351,7 @@ class SchedulerSide:
             self.prefetcher.release(req_id)
         self._loaded_until.pop(req_id, None)
         self._saved_until.pop(req_id, None)
+        if req_id in self._sending:
+            self._sending.discard(req_id)
+            return True
+        return False

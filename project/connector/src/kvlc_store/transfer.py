@@ -6,13 +6,19 @@ cache those bytes are a few contiguous runs per layer (one for a
 ``[num_blocks * per, ...]`` layout, one per K and V for ``[2, num_blocks *
 per, ...]``), so a load reads the payload straight into them and a save
 writes straight from them: ``segments`` hands out writable byte views of the
-KV cache itself, in payload order. A KV cache on an accelerator goes through
-one host buffer per block instead (``staged``).
+KV cache itself, in payload order. A KV cache on an accelerator moves in
+batches of blocks through host memory instead (``device_transfer.py``, over
+``block_major``); ``staged`` and ``unstage`` copy one block, the reference
+those batches are tested against.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Same-size integer types: gathers and scatters move a layer's elements as
+# bits, for every KV dtype (fp8 included) on every device.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _contiguous_runs(t: torch.Tensor) -> list[torch.Tensor]:
@@ -69,6 +75,22 @@ class BlockLayout:
             if self._layers
             else 0
         )
+
+    @property
+    def device(self) -> torch.device:
+        return self._layers[0][0].device
+
+    def block_major(self) -> list[torch.Tensor]:
+        """Per layer, a view of its tensor with the blocks on dim 0, as
+        same-size integers: row ``b`` holds block ``b``'s elements in the
+        payload's order (``kv.narrow(dim, b * per, per)``'s), so gathering
+        rows yields the blocks' payload bytes, layer by layer."""
+        views = []
+        for kv, dim, per in self._layers:
+            # Splitting one dimension is a view of any strides.
+            split = (*kv.shape[:dim], kv.shape[dim] // per, per, *kv.shape[dim + 1 :])
+            views.append(kv.view(_BITS[kv.element_size()]).view(split).movedim(dim, 0))
+        return views
 
     def _views(self, block_id: int) -> list[torch.Tensor]:
         return [kv.narrow(dim, block_id * per, per) for kv, dim, per in self._layers]

@@ -1,0 +1,241 @@
+"""Batched transfers between a KV cache on an accelerator and host memory.
+
+A host KV cache is read into and written from in place (``transfer.py``). A
+KV cache on a GPU is not host memory, and one small copy per layer per block
+runs at a small fraction of the host link's speed, so blocks move in
+batches, the way vLLM's offloading connectors move them:
+
+- a save gathers a batch of blocks of every layer into a device staging
+  buffer (one ``index_select`` per layer) and copies it to pinned host memory
+  in one copy, on a side stream that waits for the forward that computed the
+  blocks (an event); a thread then writes the chunks from there
+  (``async_save.py``), off the forward's path;
+- a load reads a batch of chunks into pinned host memory, copies it to a
+  device staging buffer in one copy and scatters it into the blocks (one
+  ``index_copy_`` per layer), on the side stream.
+
+In host memory a batch of ``k`` blocks is laid out layer by layer (layer
+``l``'s ``k`` rows together), so each layer's gather or scatter is one op on
+a contiguous buffer. A chunk's payload is its block's row of every layer in
+layer order: the same bytes as the per-block path (``BlockLayout.staged``),
+handed to the backends as a list of buffers (``writev`` / ``preadv``).
+
+The ops are plain torch: with a KV cache on the CPU (the tests) the same
+code runs with the pool in ordinary memory, no stream and no staging copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlc_store.transfer import BlockLayout, bytes_view
+
+# torch.cuda's Stream and Event constructors are not annotated.
+_new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
+_new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
+
+
+@dataclass(frozen=True)
+class Region:
+    """``count`` consecutive blocks of a ``HostPool``, from block ``start``."""
+
+    start: int
+    count: int
+    host: torch.Tensor  # their bytes, a slice of the pool
+
+
+class HostPool:
+    """Host memory for batches of blocks, allocated once: ``capacity``
+    blocks of ``block_bytes``, handed out as runs of consecutive blocks.
+
+    Thread-safe. ``take`` waits for a free run, so a caller that already
+    holds one must use ``try_take`` (two holders waiting for each other's
+    runs would wait forever). No run is longer than ``max_run`` blocks, half
+    the pool, so two callers (a load and the save thread) always move.
+    """
+
+    def __init__(self, total_bytes: int, block_bytes: int, pin: bool) -> None:
+        self.block_bytes = block_bytes
+        self.capacity = max(1, total_bytes // block_bytes)
+        self.max_run = max(1, self.capacity // 2)
+        self.buffer = torch.empty(
+            self.capacity * block_bytes, dtype=torch.uint8, pin_memory=pin
+        )
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # start, count
+        self._cond = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.block_bytes
+
+    def try_take(self, want: int) -> Region | None:
+        """The first free run, cut to ``want`` (and ``max_run``) blocks;
+        None if none is free."""
+        with self._cond:
+            return self._take(want)
+
+    def take(self, want: int) -> Region:
+        """``try_take``, waiting for a run to be given back."""
+        with self._cond:
+            while (region := self._take(want)) is None:
+                self._cond.wait()
+            return region
+
+    def _take(self, want: int) -> Region | None:
+        if not self._free:
+            return None
+        start, count = self._free[0]
+        n = min(count, want, self.max_run)
+        if n == count:
+            self._free.pop(0)
+        else:
+            self._free[0] = (start + n, count - n)
+        bb = self.block_bytes
+        return Region(start, n, self.buffer[start * bb : (start + n) * bb])
+
+    def give(self, region: Region) -> None:
+        with self._cond:
+            runs = sorted([*self._free, (region.start, region.count)])
+            merged: list[tuple[int, int]] = []
+            for start, count in runs:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + count)
+                else:
+                    merged.append((start, count))
+            self._free = merged
+            self._cond.notify_all()
+
+
+class DeviceTransfer:
+    """Gathers and scatters of one worker's KV cache through a ``HostPool``.
+
+    On CUDA the copies run on a side stream, each batch ending with an event
+    (``wait`` blocks on it); elsewhere they run in the caller's order, the
+    host copies blocking, and the events are None.
+
+    Args:
+        layout: the worker's KV cache.
+        pool_bytes: host memory for batches (``pinned_buffer``), allocated
+            now, pinned on CUDA.
+    """
+
+    def __init__(self, layout: BlockLayout, pool_bytes: int) -> None:
+        self.device = layout.device
+        self._blocks = layout.block_major()
+        self._row_bytes = [b[0].numel() * b.element_size() for b in self._blocks]
+        self.block_bytes = sum(self._row_bytes)
+        cuda = self.device.type == "cuda"
+        self.pool = HostPool(pool_bytes, self.block_bytes, pin=cuda)
+        self._stream = _new_stream(self.device) if cuda else None
+        # Asynchronous host copies only where an event tells when they end.
+        self._async_copies = cuda
+        self._compute_done: torch.cuda.Event | None = None
+
+    # -- ordering ---------------------------------------------------------
+
+    def mark_compute(self) -> torch.cuda.Event | None:
+        """Record where the caller's stream (the forward's) is now: the
+        copies queued after this wait for the work queued before it."""
+        if self._stream is None:
+            return None
+        event = _new_event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._compute_done = event
+        return event
+
+    @contextlib.contextmanager
+    def _side(self, after: torch.cuda.Event | None) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            yield
+
+    def _done(self) -> torch.cuda.Event | None:
+        if self._stream is None:
+            return None
+        event = _new_event()
+        event.record(self._stream)
+        return event
+
+    @staticmethod
+    def wait(event: torch.cuda.Event | None) -> None:
+        """Block until the batch that returned ``event`` is copied."""
+        if event is not None:
+            event.synchronize()
+
+    # -- batches ----------------------------------------------------------
+
+    def _layer_views(self, flat: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """``flat`` (``k`` blocks' bytes) as each layer's ``k`` rows."""
+        views, offset = [], 0
+        for blocks, row in zip(self._blocks, self._row_bytes, strict=True):
+            size = k * row
+            rows = flat[offset : offset + size].view(blocks.dtype)
+            views.append(rows.view(k, *blocks.shape[1:]))
+            offset += size
+        return views
+
+    def chunk_parts(self, region: Region, j: int) -> list[memoryview]:
+        """The payload of the region's ``j``-th block, as host buffers."""
+        base = bytes_view(region.host)
+        parts, offset = [], 0
+        for row in self._row_bytes:
+            parts.append(base[offset + j * row : offset + (j + 1) * row])
+            offset += region.count * row
+        return parts
+
+    def _staging(self, region: Region) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return region.host
+        return torch.empty_like(region.host, device=self.device)
+
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        region: Region,
+        after: torch.cuda.Event | None,
+    ) -> torch.cuda.Event | None:
+        """Queue the copy of blocks ``block_ids`` (``region.count`` of them)
+        into ``region``, after ``after`` (the forward that computed them)."""
+        assert len(block_ids) == region.count
+        with self._side(after):
+            # Allocated on the side stream: reused only after its copies.
+            staging = self._staging(region)
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            for blocks, out in zip(
+                self._blocks, self._layer_views(staging, region.count), strict=True
+            ):
+                torch.index_select(blocks, 0, idx, out=out)
+            if staging is not region.host:
+                region.host.copy_(staging, non_blocking=self._async_copies)
+            return self._done()
+
+    def scatter(
+        self, block_ids: Sequence[int], rows: Sequence[int], region: Region
+    ) -> torch.cuda.Event | None:
+        """Queue the copy of ``region``'s blocks ``rows`` into blocks
+        ``block_ids``, after the work the caller's stream had queued at the
+        last ``mark_compute`` (the blocks' previous users)."""
+        if not block_ids:
+            return None
+        with self._side(self._compute_done):
+            staging = self._staging(region)
+            if staging is not region.host:
+                staging.copy_(region.host, non_blocking=self._async_copies)
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            pick = None
+            if len(rows) < region.count:
+                pick = torch.tensor(rows, dtype=torch.long, device=self.device)
+            for blocks, src in zip(
+                self._blocks, self._layer_views(staging, region.count), strict=True
+            ):
+                blocks.index_copy_(0, idx, src if pick is None else src[pick])
+            return self._done()
