@@ -7,8 +7,9 @@ abbreviated blob ids). Every export is checked by ``git am`` onto the pristine
 tree, which must reproduce the materialized tree exactly.
 
 vLLM takes only commits with a DCO ``Signed-off-by:`` trailer, and the DCO is
-a person's statement: every exported commit is signed off by the person who
-submits the PRs, ``--signoff "Name <email>"`` or ``KVLC_SIGNOFF``. Export
+a person's statement: every exported commit is authored and signed off by the
+person who submits the PRs, ``--signoff "Name <email>"`` or ``KVLC_SIGNOFF``
+(vLLM's DCO check matches the sign-off against the author). Export
 refuses to run without one, and refuses the project's placeholder identity
 (the one materialize commits with). vLLM's AGENTS.md asks AI-assisted commits
 to credit the agent with a ``Co-authored-by:`` trailer, so every commit carries
@@ -23,6 +24,7 @@ import os
 import re
 import tempfile
 from dataclasses import replace
+from email.utils import formataddr
 from pathlib import Path
 
 from workbench import upstream
@@ -38,6 +40,7 @@ _PLACEHOLDER = (IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
 _IDENTITY = re.compile(
     r"^(?P<name>[^<>\n]*[^<>\s][^<>\n]*) <(?P<email>[^<>\s@]+@[^<>\s@]+)>$"
 )
+_PLACEHOLDER_FROM = f"\nFrom: {_PLACEHOLDER[0]} <{_PLACEHOLDER[1]}>\n".encode()
 _HOW = (
     f"pass --signoff 'Full Name <email@host>' or set {SIGNOFF_ENV}, "
     "naming the person who submits the PRs"
@@ -53,9 +56,7 @@ def signoff_identity(given: str | None = None) -> str:
     """
     identity = (given or os.environ.get(SIGNOFF_ENV) or "").strip()
     if not identity:
-        raise WorkbenchError(
-            f"export needs the DCO sign-off of a real person: {_HOW}"
-        )
+        raise WorkbenchError(f"export needs the DCO sign-off of a real person: {_HOW}")
     match = _IDENTITY.match(identity)
     if not match:
         raise WorkbenchError(
@@ -84,6 +85,15 @@ def signed_off(message: str, identity: str, scratch: Path) -> str:
         input=message.encode(),
     ).decode()
     return signed.rstrip("\n") + "\n"
+
+
+def authored_by(mail: bytes, identity: str) -> bytes:
+    """``mail`` with ``identity`` as its ``From:``, the author ``git am`` records."""
+    match = _IDENTITY.match(identity)
+    if not match or _PLACEHOLDER_FROM not in mail:
+        raise WorkbenchError(f"cannot make {identity!r} the author of an exported mail")
+    header = formataddr((match["name"], match["email"]), charset="utf-8")
+    return mail.replace(_PLACEHOLDER_FROM, f"\nFrom: {header}\n".encode(), 1)
 
 
 FORMAT_PATCH_FLAGS = (
@@ -127,7 +137,8 @@ def export(
 ) -> list[Path]:
     """Write ``NNNN-<entry>.patch`` per entry into ``out_dir``; return the paths.
 
-    Each commit is signed off by ``signoff_identity(signoff)``, which raises
+    Each commit is authored and signed off by ``signoff_identity(signoff)``,
+    which raises
     before anything is built or written if there is no real identity.
     """
     identity = signoff_identity(signoff)
@@ -142,7 +153,7 @@ def export(
         )
         repo = Path(tmp) / "stack"
         build_repo(stack, repo, source=source, trailers=False, link=True)
-        mails = format_patches(repo)
+        mails = [authored_by(mail, identity) for mail in format_patches(repo)]
         if len(mails) != len(stack.entries):
             raise WorkbenchError(
                 f"format-patch gave {len(mails)} patches for "
