@@ -10,6 +10,11 @@ Run with the python of build/venv-lmcache (``./wb venv --lmcache``):
     times the adapter was built and the block ids its ``request_finished``
     received.
 
+``python lmcache_hma_driver.py decide MODEL_DIR``
+    builds a ``VllmConfig`` with ``LMCacheConnectorV1`` in a process that has
+    not imported ``lmcache`` and prints ``RESULT {...}``: the hybrid KV cache
+    manager decision and whether ``lmcache`` got imported making it.
+
 ``python lmcache_hma_driver.py serve MODEL_DIR``
     starts an engine on MODEL_DIR with ``LMCacheConnectorV1`` and the
     unmodified adapter, generates once and prints ``RESULT {...}``: the hybrid
@@ -191,7 +196,40 @@ def connector_cases(model: str) -> dict[str, Any]:
         "real_adapter_decision": decide(real_impl),
         "selecting_adapter_decision": decide(SelectingImpl),
         "single_group": build(CountingImpl, (full,)),
+        "real_adapter_two_groups": build(CountingImpl, (sliding, full)),
         "hybrid_selecting_adapter": build(SelectingImpl, (sliding, full)),
+    }
+
+
+def decide(model: str) -> dict[str, Any]:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="LMCacheConnectorV1", kv_role="kv_both"
+    )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=model, max_model_len=1024),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kv_transfer_config,
+    )
+    return {
+        "supports_hma_config": KVConnectorFactory.supports_hma_config(
+            kv_transfer_config
+        ),
+        "disable_hybrid_kv_cache_manager": (
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        ),
+        "lmcache_imported": "lmcache" in sys.modules,
     }
 
 
@@ -225,7 +263,8 @@ def serve(model: str) -> dict[str, Any]:
 
 def main() -> None:
     mode, model = sys.argv[1:3]
-    result = connector_cases(model) if mode == "connector" else serve(model)
+    modes = {"connector": connector_cases, "decide": decide, "serve": serve}
+    result = modes[mode](model)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -10,8 +10,11 @@ handles one KV cache group and declares no groups):
   off for it with vLLM's warning plus the line naming what keeps it on, and
   nothing raises; an engine serves the demo Llama, and serves the same model
   made hybrid (a sliding-window layer and a full attention layer);
+* VllmConfig decides that from LMCache's source without importing ``lmcache``
+  (a fresh process: ``lmcache`` is not in ``sys.modules`` afterwards);
 * the connector is built on it for one group, reports group 0 restored and
-  forwards group 0's block ids to its ``request_finished``;
+  forwards group 0's block ids to its ``request_finished``; on two groups
+  building it raises before the adapter is built;
 * the real adapter subclassed only to declare the group it selects (as a
   release with hybrid support does): the hybrid KV cache manager stays on, and
   with full attention + sliding window the connector forwards the full
@@ -41,9 +44,9 @@ DEMO = REPO / "project" / "demo"
 TURNED_OFF = "Turning off hybrid kv cache manager"
 KEEPS_ON = (
     "The LMCache adapter lmcache.integration.vllm.vllm_v1_adapter."
-    "LMCacheConnectorV1Impl handles a single KV cache group. An LMCache release "
-    "whose vLLM adapter defines get_kv_cache_group_ids() keeps the hybrid KV "
-    "cache manager on."
+    "LMCacheConnectorV1Impl declares no KV cache groups, so it handles a single "
+    "one. An LMCache release whose vLLM adapter defines get_kv_cache_group_ids() "
+    "keeps the hybrid KV cache manager on."
 )
 
 
@@ -120,6 +123,21 @@ def test_declaring_adapter_keeps_hybrid_manager_on(result: dict[str, Any]) -> No
     assert decision["supports_hma_config"] is True
     assert decision["disable_hybrid_kv_cache_manager"] is False
     assert not any(TURNED_OFF in w for w in decision["warnings"])
+
+
+def test_decision_reads_lmcache_without_importing_it(model: Path) -> None:
+    decision = _driver("decide", model)[0]
+    assert decision == {
+        "supports_hma_config": False,
+        "disable_hybrid_kv_cache_manager": True,
+        "lmcache_imported": False,
+    }
+
+
+def test_real_adapter_refuses_two_groups(result: dict[str, Any]) -> None:
+    case = result["real_adapter_two_groups"]
+    assert "--disable-hybrid-kv-cache-manager" in case["error"]
+    assert case["adapters_built"] == 0
 
 
 def test_single_group_on_real_adapter(result: dict[str, Any]) -> None:

@@ -18,6 +18,8 @@ from workbench.gitutil import BASE_REF, git, git_text
 TRIAL_MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/trial.py"
 TRIAL_LINE = '"""Stats for the encoder inputs scheduled in one iteration."""'
 OUTPUT_PY = "vllm/v1/core/sched/output.py"
+ADA = "Ada Lovelace <ada@example.org>"
+JOSE = "José Núñez <jose@example.org>"
 
 
 def head_tree(repo: Path) -> str:
@@ -42,7 +44,7 @@ def test_empty_series_checks_and_exports_nothing(empty_root: Path):
     result = wb(empty_root, "check", "--no-lint")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stack: 0 entries" in result.stdout
-    result = wb(empty_root, "export")
+    result = wb(empty_root, "export", "--signoff", ADA)
     assert result.returncode == 0, result.stderr
     assert list((empty_root / "build" / "export").iterdir()) == []
 
@@ -120,7 +122,7 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     # Export builds its trees from hard links to the pristine tree.
     patched = pristine / "vllm" / "v1" / "core" / "sched" / "output.py"
     pristine_text = patched.read_bytes()
-    assert wb(trial_root, "export").returncode == 0
+    assert wb(trial_root, "export", "--signoff", JOSE).returncode == 0
     assert patched.read_bytes() == pristine_text
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     assert list(first) == ["0001-trial.patch"]
@@ -128,7 +130,7 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     assert mail.startswith("From 0000000000000000000000000000000000000000 ")
     assert "Subject: [Trial] Reword a docstring and add a module\n" in mail
     assert "Kvlc-Entry" not in mail and "\n-- \n" not in mail
-    assert wb(trial_root, "export").returncode == 0
+    assert wb(trial_root, "export", "--signoff", JOSE).returncode == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
 
     # git am by hand onto a fresh pristine tree gives the materialized tree
@@ -138,46 +140,94 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     git(am_repo, "reset", "--quiet", "--hard", "stack")
     git(am_repo, "am", "--quiet", "--keep", str(out / "0001-trial.patch"))
     assert head_tree(am_repo) == head_tree(trial_root / "build" / "vllm")
+    # The submitter is the author, whom vLLM's DCO check matches the sign-off to.
+    assert git_text(am_repo, "log", "-1", "--format=%an <%ae>").strip() == JOSE
 
 
-def test_export_signs_off_every_commit_with_a_configurable_identity(
-    trial_root: Path,
+def test_export_signs_off_every_commit_as_the_submitter_with_the_ai_co_author(
+    trial_root: Path, monkeypatch: pytest.MonkeyPatch
 ):
     out = trial_root / "build" / "export"
     patch = out / "0001-trial.patch"
-    assert wb(trial_root, "export").returncode == 0
-    default = patch.read_bytes()
-    assert default.count(b"Signed-off-by: ") == 1
-    assert (
-        b"\n\nSigned-off-by: vLLM KV lifecycle stack "
-        b"<kvlc-stack@users.noreply.invalid>\n\ndiff --git " in default
-    )
-
-    result = wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    monkeypatch.setenv("KVLC_SIGNOFF", "Grace Hopper <grace@example.org>")
+    result = wb(trial_root, "export", "--signoff", ADA)
     assert result.returncode == 0, result.stderr
     mine = patch.read_bytes()
-    assert b"\nSigned-off-by: Ada Lovelace <ada@example.org>\n\ndiff --git " in mine
-    assert b"kvlc-stack@users.noreply.invalid" not in mine.split(b"\n\n", 1)[1]
-    assert wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    assert (
+        b"\n\nCo-authored-by: Claude <noreply@anthropic.com>\n"
+        b"Signed-off-by: Ada Lovelace <ada@example.org>\n\ndiff --git " in mine
+    )
+    assert mine.count(b"Signed-off-by: ") == 1
+    assert b"\nFrom: Ada Lovelace <ada@example.org>\n" in mine
+    assert b"kvlc-stack@users.noreply.invalid" not in mine
+    assert wb(trial_root, "export", "--signoff", ADA).returncode == 0
     assert patch.read_bytes() == mine
 
-    # An existing trailer block is extended, and the same sign-off not doubled.
+    # Without the flag, the environment's identity signs off.
+    assert wb(trial_root, "export").returncode == 0
+    assert b"\nSigned-off-by: Grace Hopper <grace@example.org>\n" in patch.read_bytes()
+
+    # An existing trailer block is extended, and the same trailers not doubled.
     message = trial_root / "patches" / "trial" / "message.md"
     message.write_text(
         message.read_text()
         + "\nCo-authored-by: Helper <h@example.org>\n"
-        + "Signed-off-by: Ada Lovelace <ada@example.org>\n"
+        + "Co-authored-by: Claude <noreply@anthropic.com>\n"
+        + f"Signed-off-by: {ADA}\n"
     )
-    result = wb(trial_root, "export", "--signoff", "Ada Lovelace <ada@example.org>")
+    result = wb(trial_root, "export", "--signoff", ADA)
     assert result.returncode == 0, result.stderr
-    assert patch.read_bytes().count(b"Signed-off-by: ") == 1
+    signed = patch.read_bytes()
+    assert signed.count(b"Signed-off-by: ") == 1
+    assert signed.count(b"Co-authored-by: Claude") == 1
+    assert b"Co-authored-by: Helper <h@example.org>\n" in signed
 
-    result = wb(trial_root, "export", "--signoff", "ada")
+
+@pytest.mark.parametrize(
+    "signoff,env,problem",
+    [
+        (None, None, "export needs the DCO sign-off of a real person"),
+        ("ada", None, "is not 'Full Name <email@host>'"),
+        (
+            "vLLM KV lifecycle stack <kvlc-stack@users.noreply.invalid>",
+            None,
+            "is the project's placeholder, not a person",
+        ),
+        (
+            None,
+            "Someone <kvlc-stack@users.noreply.invalid>",
+            "is the project's placeholder, not a person",
+        ),
+    ],
+    ids=["none", "malformed", "placeholder-flag", "placeholder-env"],
+)
+def test_export_refuses_without_a_real_identity(
+    trial_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    signoff: str | None,
+    env: str | None,
+    problem: str,
+):
+    if env is None:
+        monkeypatch.delenv("KVLC_SIGNOFF", raising=False)
+    else:
+        monkeypatch.setenv("KVLC_SIGNOFF", env)
+    args = ("--signoff", signoff) if signoff is not None else ()
+
+    result = wb(trial_root, "export", *args)
+
     assert result.returncode == 2
-    assert "'Full Name <email@host>'" in result.stderr and "KVLC_SIGNOFF" in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert problem in line
+    assert "--signoff 'Full Name <email@host>' or set KVLC_SIGNOFF" in line
+    assert not (trial_root / "build" / "export").exists()
 
 
-def test_check_passes_on_the_trial_stack_with_upstream_hooks(trial_root: Path):
+def test_check_passes_on_the_trial_stack_with_upstream_hooks(
+    trial_root: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Its export round trip needs no identity: a check is not a submission.
+    monkeypatch.delenv("KVLC_SIGNOFF", raising=False)
     result = wb(trial_root, "check")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "check: all good" in result.stdout
@@ -238,7 +288,7 @@ def test_check_validates_retired_tests_against_the_pristine_and_entry_trees(
     assert "ok: 1 retired tests, each gone after its entry" in result.stdout
     assert "ok: 1 edited upstream test files, each declared" in result.stdout
     # Entry metadata, like owned-files: not part of the PR.
-    assert wb(trial_root, "export").returncode == 0
+    assert wb(trial_root, "export", "--signoff", ADA).returncode == 0
     mail = (trial_root / "build" / "export" / "0001-trial.patch").read_text()
     assert "test_none_hash_is(" in mail and "retired-tests" not in mail
     assert "edited-tests" not in mail

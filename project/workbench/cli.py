@@ -195,8 +195,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--signoff",
         metavar="'NAME <EMAIL>'",
-        help=f"the DCO Signed-off-by identity (default: ${export.SIGNOFF_ENV}, "
-        "else the project's)",
+        help="the person who signs off every commit (DCO Signed-off-by; "
+        f"default: ${export.SIGNOFF_ENV}; required)",
     )
     sp = add(
         "check",

@@ -6,11 +6,16 @@ format-patch flags drop everything that changes between runs or git versions
 abbreviated blob ids). Every export is checked by ``git am`` onto the pristine
 tree, which must reproduce the materialized tree exactly.
 
-vLLM takes only commits with a DCO ``Signed-off-by:`` trailer, so every
-exported commit carries one: by default the project's identity (the one
-materialize commits with), or ``--signoff "Name <email>"`` /
-``KVLC_SIGNOFF`` for the person who submits the PRs. ``git interpret-trailers``
-adds it to the message's own trailer block (``Co-authored-by:`` ...), once.
+vLLM takes only commits with a DCO ``Signed-off-by:`` trailer, and the DCO is
+a person's statement: every exported commit is authored and signed off by the
+person who submits the PRs, ``--signoff "Name <email>"`` or ``KVLC_SIGNOFF``
+(vLLM's DCO check matches the sign-off against the author). Export
+refuses to run without one, and refuses the project's placeholder identity
+(the one materialize commits with). vLLM's AGENTS.md asks AI-assisted commits
+to credit the agent with a ``Co-authored-by:`` trailer, so every commit carries
+``AI_CO_AUTHOR`` too. ``git interpret-trailers`` adds both to the message's own
+trailer block, each once. ``./wb check``'s round trip exports without trailers
+(``format_patches`` and ``am_onto_base``), so it needs no identity.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import re
 import tempfile
 from dataclasses import replace
+from email.utils import formataddr
 from pathlib import Path
 
 from workbench import upstream
@@ -28,33 +34,66 @@ from workbench.materialize import build_repo, init_base
 from workbench.stack import Stack
 
 SIGNOFF_ENV = "KVLC_SIGNOFF"
-DEFAULT_SIGNOFF = f"{IDENTITY['GIT_AUTHOR_NAME']} <{IDENTITY['GIT_AUTHOR_EMAIL']}>"
-_IDENTITY = re.compile(r"^[^<>\n]*[^<>\s][^<>\n]* <[^<>\s@]+@[^<>\s@]+>$")
+# The agent that wrote the stack with its submitter (AGENTS.md, "Commit messages").
+AI_CO_AUTHOR = "Claude <noreply@anthropic.com>"
+_PLACEHOLDER = (IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
+_IDENTITY = re.compile(
+    r"^(?P<name>[^<>\n]*[^<>\s][^<>\n]*) <(?P<email>[^<>\s@]+@[^<>\s@]+)>$"
+)
+_PLACEHOLDER_FROM = f"\nFrom: {_PLACEHOLDER[0]} <{_PLACEHOLDER[1]}>\n".encode()
+_HOW = (
+    f"pass --signoff 'Full Name <email@host>' or set {SIGNOFF_ENV}, "
+    "naming the person who submits the PRs"
+)
 
 
 def signoff_identity(given: str | None = None) -> str:
-    """The sign-off identity: ``given``, else ``$KVLC_SIGNOFF``, else the project's."""
-    identity = (given or os.environ.get(SIGNOFF_ENV) or DEFAULT_SIGNOFF).strip()
-    if not _IDENTITY.match(identity):
+    """The person who signs the export off: ``given``, else ``$KVLC_SIGNOFF``.
+
+    Raises:
+        WorkbenchError: if neither is set, the identity is not
+            ``Full Name <email@host>``, or it is the project's placeholder.
+    """
+    identity = (given or os.environ.get(SIGNOFF_ENV) or "").strip()
+    if not identity:
+        raise WorkbenchError(f"export needs the DCO sign-off of a real person: {_HOW}")
+    match = _IDENTITY.match(identity)
+    if not match:
         raise WorkbenchError(
-            f"sign-off identity {identity!r} is not 'Full Name <email@host>'; "
-            f"pass --signoff 'Full Name <email@host>' or set {SIGNOFF_ENV}"
+            f"sign-off identity {identity!r} is not 'Full Name <email@host>'; {_HOW}"
+        )
+    if match["name"].strip() in _PLACEHOLDER or match["email"] in _PLACEHOLDER:
+        raise WorkbenchError(
+            f"sign-off identity {identity!r} is the project's placeholder, not a "
+            f"person; {_HOW}"
         )
     return identity
 
 
 def signed_off(message: str, identity: str, scratch: Path) -> str:
-    """``message`` with a ``Signed-off-by: identity`` trailer (not doubled)."""
+    """``message`` with ``Co-authored-by: AI_CO_AUTHOR`` and
+    ``Signed-off-by: identity`` trailers, neither doubled."""
     signed = git(
         scratch,
         "interpret-trailers",
         "--if-exists",
         "addIfDifferent",
         "--trailer",
+        f"Co-authored-by: {AI_CO_AUTHOR}",
+        "--trailer",
         f"Signed-off-by: {identity}",
         input=message.encode(),
     ).decode()
     return signed.rstrip("\n") + "\n"
+
+
+def authored_by(mail: bytes, identity: str) -> bytes:
+    """``mail`` with ``identity`` as its ``From:``, the author ``git am`` records."""
+    match = _IDENTITY.match(identity)
+    if not match or _PLACEHOLDER_FROM not in mail:
+        raise WorkbenchError(f"cannot make {identity!r} the author of an exported mail")
+    header = formataddr((match["name"], match["email"]), charset="utf-8")
+    return mail.replace(_PLACEHOLDER_FROM, f"\nFrom: {header}\n".encode(), 1)
 
 
 FORMAT_PATCH_FLAGS = (
@@ -98,10 +137,12 @@ def export(
 ) -> list[Path]:
     """Write ``NNNN-<entry>.patch`` per entry into ``out_dir``; return the paths.
 
-    Each commit is signed off by ``signoff_identity(signoff)``.
+    Each commit is authored and signed off by ``signoff_identity(signoff)``,
+    which raises
+    before anything is built or written if there is no real identity.
     """
-    source = source or upstream.pristine_tree()
     identity = signoff_identity(signoff)
+    source = source or upstream.pristine_tree()
     with tempfile.TemporaryDirectory(prefix="kvlc-export-") as tmp:
         stack = replace(
             stack,
@@ -112,7 +153,7 @@ def export(
         )
         repo = Path(tmp) / "stack"
         build_repo(stack, repo, source=source, trailers=False, link=True)
-        mails = format_patches(repo)
+        mails = [authored_by(mail, identity) for mail in format_patches(repo)]
         if len(mails) != len(stack.entries):
             raise WorkbenchError(
                 f"format-patch gave {len(mails)} patches for "
