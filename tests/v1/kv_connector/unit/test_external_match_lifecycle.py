@@ -31,7 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.external_match import (
     ExternalMatchChecker,
     ExternalMatchLifecycle,
     ExternalMatchLifecycleError,
-    LegacyMatchAdapter,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
@@ -41,6 +40,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -132,7 +132,17 @@ class LeasingConnector(MockKVConnector):
         return False, None
 
 
+class LifecycleOnlyConnector(LeasingConnector):
+    """A LeasingConnector without MockKVConnector's legacy pair."""
+
+    get_num_new_matched_tokens = KVConnectorBase_V1.get_num_new_matched_tokens
+    update_state_after_alloc = KVConnectorBase_V1.update_state_after_alloc
+
+
 KVConnectorFactory.register_connector("LeasingConnector", MODULE, "LeasingConnector")
+KVConnectorFactory.register_connector(
+    "LifecycleOnlyConnector", MODULE, "LifecycleOnlyConnector"
+)
 
 
 def _make_scheduler(
@@ -346,7 +356,7 @@ def test_commit_receives_the_accepted_tokens_and_the_same_query_result():
     _assert_clean(connector)
 
 
-def test_skip_reading_prefix_cache_commits_zero():
+def test_skip_reading_prefix_cache_is_not_prepared():
     scheduler = _make_scheduler(extra={"offer": 2 * BLOCK_SIZE})
     connector = scheduler.connector
     request = Request(
@@ -360,10 +370,8 @@ def test_skip_reading_prefix_cache_commits_zero():
     assert request.skip_reading_prefix_cache
     scheduler.add_request(request)
     scheduler.schedule()
-    assert connector.calls == [
-        ("prepare", request.request_id, 2 * BLOCK_SIZE),
-        ("commit", request.request_id, 0),
-    ]
+    # Nothing is pinned or leased for tokens the request will not read.
+    assert connector.calls == [("commit", request.request_id, 0)]
     _assert_clean(connector)
 
 
@@ -649,6 +657,45 @@ def test_multi_connector_abort_and_none_release_every_sub_match():
     _assert_clean(mc._connectors[0])
 
 
+def test_multi_connector_forgets_the_choice_of_a_match_it_does_not_load():
+    mc = _multi_connector([BLOCK_SIZE, 2 * BLOCK_SIZE])
+    first, second = mc._connectors
+    first._cache_hit_source = CacheHitSource.HOST
+    request = create_request(num_tokens=80, block_size=BLOCK_SIZE)
+    host_hit = {CacheHitSource.HOST: BLOCK_SIZE}
+    no_choice = {CacheHitSource.EXTERNAL_UNSPECIFIED: BLOCK_SIZE}
+
+    def hit_sources() -> dict[CacheHitSource, int]:
+        return mc.get_external_cache_hit_sources(request, BLOCK_SIZE)
+
+    # Between prepare and commit the scheduler reads the prepared choice.
+    match = mc.prepare_external_match(request, 0)
+    assert match is not None and hit_sources() == host_hit
+    mc.abort_external_match(request, match)
+    assert hit_sources() == no_choice
+
+    # A lookup still in flight leaves no choice behind either.
+    match = mc.prepare_external_match(request, 0)
+    assert match is not None
+    mc.abort_external_match(request, match)
+    second.prepare_external_match = Mock(return_value=None)
+    assert mc.prepare_external_match(request, 0) is None
+    assert hit_sources() == no_choice
+    del second.prepare_external_match
+
+    # Neither does a commit of none of the offered tokens; a load keeps it.
+    match = mc.prepare_external_match(request, 0)
+    assert match is not None
+    mc.commit_external_match(request, Mock(), dataclasses.replace(match, num_tokens=0))
+    assert hit_sources() == no_choice
+    match = mc.prepare_external_match(request, 0)
+    assert match is not None
+    mc.commit_external_match(request, Mock(), match)
+    assert hit_sources() == host_hit
+    for c in mc._connectors:
+        _assert_clean(c)
+
+
 # ---------------------------------------------------------------------------
 # The opt-in checker.
 # ---------------------------------------------------------------------------
@@ -730,7 +777,7 @@ def test_match_is_generic_in_its_query_result():
 def _legacy_multi_connector(legacy_offer: int | None) -> MultiConnector:
     children: list[dict[str, Any]] = [
         {
-            "kv_connector": "LeasingConnector",
+            "kv_connector": "LifecycleOnlyConnector",
             "kv_connector_module_path": MODULE,
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
@@ -787,45 +834,21 @@ def test_multi_connector_of_legacy_children_does_not_use_the_lifecycle():
 
 
 @pytest.mark.parametrize("legacy_offer", [None, 0])
-def test_multi_connector_legacy_entry_points_drive_lifecycle_children(
+def test_multi_connector_legacy_entry_points_reject_lifecycle_children(
     legacy_offer: int | None,
 ):
+    # The scheduler drives this MultiConnector through the lifecycle; the
+    # legacy pair could not release what a lifecycle child pins, so a caller
+    # of it gets a TypeError naming the child instead of a leak.
     mc = _legacy_multi_connector(legacy_offer)
-    leasing = mc._connectors[-1]
-    assert isinstance(leasing, LeasingConnector)
+    lifecycle_child = mc._connectors[-1]
     request = create_request(num_tokens=80, block_size=BLOCK_SIZE)
-    rid = request.request_id
-
-    # A lookup the caller drops is aborted by the next lookup.
-    assert mc.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, False)
-    assert mc.get_num_new_matched_tokens(request, 0) == (2 * BLOCK_SIZE, False)
-    mc.update_state_after_alloc(request, Mock(), BLOCK_SIZE)
-    assert leasing.calls == [
-        ("prepare", rid, 2 * BLOCK_SIZE),
-        ("abort", rid, 2 * BLOCK_SIZE),
-        ("prepare", rid, 2 * BLOCK_SIZE),
-        ("commit", rid, BLOCK_SIZE),
-    ]
-    _assert_clean(leasing)
-
-    # A lookup left open when the request finishes is aborted then.
-    other = create_request(num_tokens=80, block_size=BLOCK_SIZE)
-    mc.get_num_new_matched_tokens(other, 0)
-    mc.request_finished(other, [])
-    assert leasing.calls[-1] == ("abort", other.request_id, 2 * BLOCK_SIZE)
-    _assert_clean(leasing)
-
-
-def test_legacy_adapter_commits_unprepared_tokens_without_a_query_result():
-    connector = Mock(spec=KVConnectorBase_V1)
-    adapter = LegacyMatchAdapter(connector)
-    request, blocks = Mock(), Mock()
-    adapter.update_state_after_alloc(request, blocks, 0)
-    adapter.update_state_after_alloc(request, blocks, 16)
-    assert [c.args[2] for c in connector.commit_external_match.call_args_list] == [
-        NO_EXTERNAL_MATCH,
-        ExternalKVMatch(16),
-    ]
+    with pytest.raises(TypeError, match="^LifecycleOnlyConnector implements the"):
+        mc.get_num_new_matched_tokens(request, 0)
+    with pytest.raises(TypeError, match="not update_state_after_alloc"):
+        mc.update_state_after_alloc(request, Mock(), 0)
+    assert isinstance(lifecycle_child, LifecycleOnlyConnector)
+    assert lifecycle_child.calls == []
 
 
 # ---------------------------------------------------------------------------

@@ -19,9 +19,7 @@ ExternalMatchLifecycle is the scheduler's side of the contract: it keeps the
 matches prepared in the current scheduling pass and aborts those still open
 when the pass ends, whichever way the request left the pass.
 ExternalMatchChecker checks the contract at runtime for connector authors
-(VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1). LegacyMatchAdapter answers the legacy
-pair for a connector that implements the lifecycle, for callers that only
-speak the legacy pair (MultiConnector's legacy entry points).
+(VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1).
 """
 
 import dataclasses
@@ -173,7 +171,14 @@ class ExternalMatchLifecycle:
         num_computed_tokens: int,
     ) -> tuple[int | None, bool]:
         """Ask the connector for a match; return (tokens, load_kv_async) as
-        get_num_new_matched_tokens() does, (None, False) for "ask again"."""
+        get_num_new_matched_tokens() does, (None, False) for "ask again".
+
+        A request that does not read the prefix cache loads nothing, so its
+        connector is not asked: a prepare would pin or lease for a match the
+        scheduler commits with 0 tokens. Its admission still commits
+        NO_EXTERNAL_MATCH."""
+        if request.skip_reading_prefix_cache:
+            return 0, False
         if self._checker is not None:
             match = self._checker.prepare(connector, request, num_computed_tokens)
         else:
@@ -353,56 +358,6 @@ class ExternalMatchChecker:
             f"External KV match lifecycle broken for request {req_id!r}: "
             f"{problem}. Recent calls for this request:\n  {calls}"
         )
-
-
-class LegacyMatchAdapter:
-    """get_num_new_matched_tokens() and update_state_after_alloc() for a
-    connector that implements the lifecycle, for a caller that only speaks
-    the legacy pair (MultiConnector's legacy entry points).
-
-    The legacy pair says nothing about a lookup the caller drops, so the
-    match prepared by a lookup stays open until update_state_after_alloc()
-    commits it, the next lookup for the request aborts and replaces it, or
-    the caller calls release() when the request finishes.
-    """
-
-    def __init__(self, connector: "KVConnectorBase_V1") -> None:
-        self.connector = connector
-        self._open: dict[str, ExternalKVMatch[Any]] = {}
-
-    def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        self.release(request)
-        match = self.connector.prepare_external_match(request, num_computed_tokens)
-        if match is None:
-            return None, False
-        self._open[request.request_id] = match
-        return match.num_tokens, match.load_kv_async
-
-    def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
-    ) -> None:
-        match = self._open.pop(request.request_id, None)
-        if match is None:
-            match = (
-                NO_EXTERNAL_MATCH
-                if num_external_tokens == 0
-                else ExternalKVMatch(num_external_tokens)
-            )
-        elif match.num_tokens != num_external_tokens:
-            match = dataclasses.replace(
-                match,
-                num_tokens=num_external_tokens,
-                load_kv_async=match.load_kv_async and num_external_tokens > 0,
-            )
-        self.connector.commit_external_match(request, blocks, match)
-
-    def release(self, request: "Request") -> None:
-        """Abort the match a lookup left open for ``request``, if any."""
-        match = self._open.pop(request.request_id, None)
-        if match is not None:
-            self.connector.abort_external_match(request, match)
 
 
 def _describe(match: object) -> str:
