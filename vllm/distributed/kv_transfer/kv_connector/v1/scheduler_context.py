@@ -116,12 +116,12 @@ class SchedulerContext(Protocol):
     def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
         """Free blocks in eviction order (next to be evicted first).
 
-        Consume or close the iterator before calling touch() or
-        free_blocks(), and within the connector call that created it: the
-        scan follows the free queue's links, so a block leaving the queue
-        while it is suspended may end it early. Collect the ids to act on
-        first, as a lazy offloader does (scan the first N blocks, then touch
-        the ones it stores).
+        Stop iterating before calling touch() or free_blocks(), and do not
+        keep the iterator past the connector call that created it: the scan
+        follows the free queue's links, so resuming it after a block left the
+        queue may end it early. Collect the ids to act on first, as a lazy
+        offloader does (scan the first N blocks, then touch the ones it
+        stores).
         """
         ...
 
