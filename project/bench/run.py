@@ -9,8 +9,6 @@ in machine load hits both alike, and writes ``project/docs/benchmarks.md`` and
 * scheduler step cost (``scheduler_step.py``) per connector and size;
 * the worker hook when unused and ``apply_external_hits`` (``worker_hook.py``,
   patched only: the unpatched build has neither);
-* ``iter_free_blocks`` resume cost (``scheduler_context_resume.py``, when the stack
-  has it);
 * ``vllm serve`` TTFT and throughput with no connector (``serve_ab.py``).
 
 A scheduler step costs the fastest of its samples (each step index is timed in
@@ -212,19 +210,6 @@ def hook_section(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def free_blocks_section(result: dict[str, Any]) -> list[str]:
-    sizes = result["resume_s"]
-    smallest = min(sizes, key=int)
-    lines = [
-        "| free blocks | resume µs | / smallest |",
-        "|---:|---:|---:|",
-    ]
-    for n, seconds in sorted(sizes.items(), key=lambda kv: int(kv[0])):
-        ratio = seconds / sizes[smallest]
-        lines.append(f"| {int(n):,} | {seconds * 1e6:.2f} | {ratio:.2f} |")
-    return lines
-
-
 def serve_section(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict]:
     stats: dict[str, dict[str, tuple[float, float, float]]] = {}
     for build, results in runs.items():
@@ -334,9 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         env={"PYTHONHASHSEED": "0"},
     )
     hook = run_json(builds["patched"], "worker_hook.py", "--model-dir", str(model))
-    free_blocks = None
-    if (HERE / "scheduler_context_resume.py").exists():
-        free_blocks = run_json(builds["patched"], "scheduler_context_resume.py")
     serve_runs = interleaved(
         builds, args.serve_reps, "serve_ab.py", "--model-dir", str(model)
     )
@@ -349,7 +331,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "scheduler": sched_runs,
         "hook": hook,
-        "free_blocks": free_blocks,
         "serve": serve_runs,
     }
     write(results, args.out)
@@ -361,7 +342,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     results beside them as ``benchmarks.json``)."""
     meta = results["meta"]
     sched_runs, hook = results["scheduler"], results["hook"]
-    free_blocks, serve_runs = results["free_blocks"], results["serve"]
+    serve_runs = results["serve"]
     sched_lines, per_config = scheduler_section(sched_runs)
     serve_lines, serve = serve_section(serve_runs)
     versions = {b: r[0]["vllm"] for b, r in sched_runs.items()}
@@ -406,20 +387,6 @@ def write(results: dict[str, Any], out: Path) -> None:
         *hook_section(hook),
         "",
     ]
-    if free_blocks is not None:
-        doc += [
-            "## `iter_free_blocks(after_block_id)` resume cost",
-            "",
-            *free_blocks_section(free_blocks),
-            "",
-        ]
-    else:
-        doc += [
-            "## `iter_free_blocks(after_block_id)` resume cost",
-            "",
-            "Not measured: the stack does not have `bind_scheduler_context` yet.",
-            "",
-        ]
     doc += [
         "## `vllm serve`, no connector",
         "",

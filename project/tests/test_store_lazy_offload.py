@@ -31,21 +31,14 @@ def _init_none_hash() -> None:
 
 
 class CountingContext(scheduler_context.BlockPoolSchedulerContext):
-    """Counts the blocks iter_free_blocks() yields, to see the scan resume."""
+    """Counts the blocks iter_free_blocks() yields, to bound a step's scan."""
 
     yielded = 0
 
-    def iter_free_blocks(self, after_block_id: int | None = None) -> Iterator[Any]:
-        # Not a generator itself: a cursor that left the queue must raise on
-        # the call, as the real context does.
-        scan = super().iter_free_blocks(after_block_id)
-
-        def counted() -> Iterator[Any]:
-            for block in scan:
-                self.yielded += 1
-                yield block
-
-        return counted()
+    def iter_free_blocks(self) -> Iterator[Any]:
+        for block in super().iter_free_blocks():
+            self.yielded += 1
+            yield block
 
 
 def plain_hash(block_id: int) -> bytes:
@@ -102,7 +95,7 @@ def test_only_the_eviction_end_is_stored_and_pinned_until_saved():
     assert free_queue(pool)[-2:] == [1, 2]
 
 
-def test_scan_resumes_after_its_cursor_and_skips_stored_blocks():
+def test_each_step_scans_only_the_window_and_skips_stored_blocks():
     pool, context = make_pool(12)
     cache_and_free(pool, 8)  # free queue: 9 10 11 1..8
     lazy = LazyOffload(context, window=4, known_stored=100)
@@ -110,14 +103,14 @@ def test_scan_resumes_after_its_cursor_and_skips_stored_blocks():
         if block_id != 2:
             lazy.mark_stored(plain_hash(block_id))
 
-    assert plan(lazy) == []  # 9 10 11 1: all examined, none to save
+    assert plan(lazy) == []  # 9 10 11 1: none to save
     assert context.yielded == 4
     assert plan(lazy) == []
-    assert context.yielded == 4  # The window is still covered: no scan.
+    assert context.yielded == 8  # The window again, no further.
 
     pool.get_new_blocks(2)  # 9 and 10 leave from the eviction end.
-    assert plan(lazy) == [2]  # Resumes after 1: sees 2 (pinned) and 3.
-    assert context.yielded == 6
+    assert plan(lazy) == [2]  # 11 1 2 3: 2 is pinned.
+    assert context.yielded == 12
 
 
 def test_failed_save_is_released_and_tried_again():
@@ -134,27 +127,27 @@ def test_failed_save_is_released_and_tried_again():
     assert plan(lazy) == [2, 3, 1]
 
 
-def test_a_cursor_that_left_the_queue_restarts_the_scan():
+def test_the_window_follows_blocks_taken_from_it():
     pool, context = make_pool()
     cache_and_free(pool, 2)  # free queue: 3..9 (uncached) 1 2
     lazy = LazyOffload(context, window=3, known_stored=100)
-    assert plan(lazy) == []  # examined 3 4 5; cursor 5
-    pool.touch([pool.blocks[5]])  # A request takes the cursor block.
+    assert plan(lazy) == []  # examined 3 4 5
+    pool.touch([pool.blocks[5]])  # A request takes block 5.
     pool.get_new_blocks(5)  # 3 4 6 7 8 leave too.
     assert free_queue(pool) == [9, 1, 2]
     assert plan(lazy) == [1, 2]
 
 
-def test_a_cursor_that_left_and_came_back_restarts_the_scan():
-    """A prefix hit takes the cursor block and frees it again: free, but now
-    at the far end. Resuming there would never examine the eviction end."""
+def test_a_block_that_left_the_window_and_came_back_does_not_hide_it():
+    """A prefix hit takes a block of the window and frees it again: free, but
+    now at the far end. The next step still examines the eviction end."""
     pool, context = make_pool()
     cache_and_free(pool, 9)  # free queue: 1..9, all cached
     lazy = LazyOffload(context, window=3, known_stored=100)
     for block_id in range(1, 10):
         if block_id != 4:
             lazy.mark_stored(plain_hash(block_id))
-    assert plan(lazy) == []  # examined 1 2 3; cursor 3
+    assert plan(lazy) == []  # examined 1 2 3
     pool.touch([pool.blocks[3]])
     pool.free_blocks([pool.blocks[3]])
     assert free_queue(pool) == [1, 2, 4, 5, 6, 7, 8, 9, 3]

@@ -12,19 +12,17 @@ workers report the save done (``SavedBlocks``, the connector's worker
 metadata). A pinned block keeps its prefix-cache entry, so requests still hit
 it meanwhile.
 
-The scan resumes where the previous step's stopped (``iter_free_blocks``
-after the last block it kept), so a step examines only the blocks that
-entered the window since, not the whole window again. The context refuses to
-resume after a block that has left the free queue since the scan saw it (even
-if it is back, now at the far end); the scan then restarts from the eviction
-end.
+Each step scans the window from the eviction end again: blocks the store
+already holds are skipped by a lookup in ``known_stored``, and a step never
+looks at more than ``window`` blocks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -63,9 +61,6 @@ class LazyOffload:
         self._context = context
         self._window = window
         self._known_stored = known_stored
-        # Ids of the free blocks already examined, in free-queue order from
-        # the eviction end; the last one is the scan cursor.
-        self._examined: deque[int] = deque()
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         # Pinned block id -> the content hash being saved.
         self._pinned: dict[int, bytes] = {}
@@ -85,48 +80,17 @@ class LazyOffload:
         """Pin the window's cached blocks the store lacks and call
         ``save(block_id, block_hash)`` for each. Scheduler thread, inside
         ``build_connector_meta``."""
-        # Blocks allocated or hit since the last step left the queue; a block
-        # that left from the middle of the window still counts until it
-        # reaches the front, so the window is at most that much shorter.
-        while self._examined and not self._in_place(self._examined[0]):
-            self._examined.popleft()
-        scan = None
-        if self._examined:
-            try:
-                scan = self._context.iter_free_blocks(self._examined[-1])
-            except ValueError:
-                # The cursor left the queue since: restart from the front.
-                self._examined.clear()
         pin: list[tuple[int, bytes]] = []
-        if len(self._examined) < self._window:
-            if scan is None:
-                scan = self._context.iter_free_blocks()
-            for block in scan:
-                content_hash = block.content_hash if block.group_id == 0 else None
-                if content_hash is not None and content_hash not in self._stored:
-                    # Pinned blocks leave the free queue, so they are not
-                    # kept as examined (nor as the cursor).
-                    pin.append((block.block_id, bytes(content_hash)))
-                else:
-                    self._examined.append(block.block_id)
-                if len(self._examined) + len(pin) >= self._window:
-                    break
-        if scan is not None:
-            scan.close()
+        for block in islice(self._context.iter_free_blocks(), self._window):
+            content_hash = block.content_hash if block.group_id == 0 else None
+            if content_hash is not None and content_hash not in self._stored:
+                pin.append((block.block_id, bytes(content_hash)))
+        # After the scan: a touched block leaves the free queue.
         if pin:
             self._context.touch([block_id for block_id, _ in pin])
         for block_id, content_hash in pin:
             self._pinned[block_id] = content_hash
             save(block_id, content_hash)
-
-    def _in_place(self, block_id: int) -> bool:
-        """Whether the block is still where the scan saw it: the context
-        resumes after such a block only."""
-        try:
-            self._context.iter_free_blocks(block_id).close()
-        except ValueError:
-            return False
-        return True
 
     def on_saved(self, saved: SavedBlocks) -> None:
         """Release the pins of saves the workers finished. Scheduler thread,

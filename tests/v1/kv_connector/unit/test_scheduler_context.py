@@ -4,9 +4,11 @@
 KVConnectorBase_V1.bind_scheduler_context(), against the real BlockPool,
 KVCacheManager and Scheduler."""
 
-import random
+import itertools
 from typing import Any
+from unittest.mock import MagicMock
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +20,9 @@ from tests.v1.kv_connector.unit.utils import (
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+    MooncakeStoreConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
@@ -140,18 +145,31 @@ def test_get_block_returns_the_pools_own_block():
 def test_unknown_block_id_raises_and_changes_nothing(block_id: Any):
     context, pool = _make_context()
     before = _queue_ids(pool)
-    with pytest.raises(ValueError, match=r"unknown block id .*valid ids are 0\.\.9"):
+    with pytest.raises(
+        ValueError,
+        match=rf"unknown block id .* of type {type(block_id).__name__}; "
+        r"block ids are integers 0\.\.9",
+    ):
         context.get_block(block_id)
     for method in (context.touch, context.free_blocks):
         with pytest.raises(ValueError, match=r"unknown block id"):
             method([3, block_id])
-    if block_id is not None:  # None: scan from the front
-        with pytest.raises(ValueError, match=r"unknown block id"):
-            context.iter_free_blocks(block_id)
     with pytest.raises(ValueError, match=r"unknown block id"):
         context.get_block_hashes(block_id)
     assert pool.blocks[3].ref_cnt == 0
     assert _queue_ids(pool) == before
+
+
+def test_integer_ids_of_any_type_are_accepted():
+    """Block tables are often numpy or torch arrays: their integers are ids."""
+    context, pool = _make_context()
+    ids = [np.int64(3), np.int32(4), torch.tensor(5)]
+    assert [context.get_block(i) for i in ids] == pool.blocks[3:6]
+    context.touch(ids)
+    assert [pool.blocks[i].ref_cnt for i in (3, 4, 5)] == [1, 1, 1]
+    context.free_blocks(np.array([3, 4, 5]))
+    assert [pool.blocks[i].ref_cnt for i in (3, 4, 5)] == [0, 0, 0]
+    assert context.get_block_hashes(np.int64(3)) == []
 
 
 def test_view_is_live_and_reports_the_stored_hash_and_group():
@@ -262,61 +280,12 @@ def test_free_below_zero_raises_and_changes_nothing():
 # ---------------------------------------------------------------------------
 
 
-def test_iter_free_blocks_is_eviction_order_and_resumes():
+def test_iter_free_blocks_is_eviction_order():
     context, pool = _make_context()
     pool.free_blocks(reversed(pool.get_new_blocks(4)))  # reorder the queue
     expected = _queue_ids(pool)
+    assert expected != sorted(expected)
     assert _ids(context.iter_free_blocks()) == expected
-    it = context.iter_free_blocks()
-    first = [next(it).block_id for _ in range(3)]
-    rest = _ids(context.iter_free_blocks(after_block_id=first[-1]))
-    assert first + rest == expected
-    assert list(context.iter_free_blocks(after_block_id=expected[-1])) == []
-
-
-def test_resume_after_a_touched_block_raises_naming_it():
-    context, _ = _make_context()
-    cursor = _ids(context.iter_free_blocks())[2]
-    context.touch([cursor])
-    with pytest.raises(ValueError, match=rf"block {cursor} has left the free queue"):
-        context.iter_free_blocks(after_block_id=cursor)
-    # Restarting from the front works and skips the touched block.
-    assert cursor not in _ids(context.iter_free_blocks())
-
-
-def test_resume_after_a_block_that_left_and_came_back_raises():
-    """The cursor was allocated and freed again: it is free, but at the far
-    end of the queue. Resuming after it would skip the whole queue, including
-    the blocks about to be evicted."""
-    context, pool = _make_context()
-    for block in pool.blocks[1:]:
-        _cache(pool, block)
-    cursor = _ids(context.iter_free_blocks())[0]
-    allocated = pool.get_new_blocks(1)
-    assert _ids(allocated) == [cursor]
-    _cache(pool, allocated[0])
-    pool.free_blocks(allocated)
-    assert context.get_block(cursor).ref_cnt == 0
-    assert _queue_ids(pool)[-1] == cursor
-    with pytest.raises(ValueError, match=rf"block {cursor} has left the free queue"):
-        context.iter_free_blocks(after_block_id=cursor)
-    # A prefix-cache hit (touch) and free counts the same.
-    cursor = _ids(context.iter_free_blocks())[3]
-    pool.touch([pool.blocks[cursor]])
-    pool.free_blocks([pool.blocks[cursor]])
-    with pytest.raises(ValueError, match=rf"block {cursor} has left the free queue"):
-        context.iter_free_blocks(after_block_id=cursor)
-    # A scan that reaches it again makes it a valid cursor again.
-    assert _ids(context.iter_free_blocks())[-1] == cursor
-    assert list(context.iter_free_blocks(after_block_id=cursor)) == []
-
-
-def test_resume_after_a_block_no_scan_yielded_raises():
-    context, pool = _make_context()
-    with pytest.raises(ValueError, match="block 5 has left the free queue"):
-        context.iter_free_blocks(after_block_id=5)
-    with pytest.raises(ValueError, match="block 0 has left the free queue"):
-        context.iter_free_blocks(after_block_id=0)
 
 
 def test_iter_free_blocks_empty_queue():
@@ -326,173 +295,29 @@ def test_iter_free_blocks_empty_queue():
     pool.free_blocks(blocks)
 
 
-def test_touching_yielded_blocks_does_not_stop_iteration():
+def test_scan_then_touch_pins_the_blocks_next_to_be_evicted():
+    """The lazy offloader's pattern: scan the first blocks, then touch the
+    cached ones; the scheduler then allocates around them."""
     context, pool = _make_context()
-    expected = _queue_ids(pool)
-    # Without the context, 0.32.0's iteration stops at the first touch.
-    legacy = pool.free_block_queue.iter_blocks_after(None)
-    pool.touch([next(legacy)])
-    assert list(legacy) == []
-    pool.free_blocks([pool.blocks[expected[0]]])
-    expected = _queue_ids(pool)
-
-    seen = []
-    for block in context.iter_free_blocks():
-        seen.append(block.block_id)
-        context.touch([block.block_id])
-    assert seen == expected
-    assert context.get_num_free_blocks() == 0
-
-
-def test_touching_blocks_ahead_skips_them():
-    context, pool = _make_context()
-    expected = _queue_ids(pool)
-    skipped = (expected[2], expected[4], expected[-1])
-    seen = []
-    for block in context.iter_free_blocks():
-        seen.append(block.block_id)
-        if block.block_id == expected[1]:
-            # The next block, one further on, and the last one of the scan.
-            context.touch(skipped)
-    assert seen == [i for i in expected if i not in skipped]
-
-
-def test_touching_every_remaining_block_ends_the_scan():
-    context, pool = _make_context()
-    it = context.iter_free_blocks()
-    first = next(it)
-    context.touch(_queue_ids(pool))
-    assert list(it) == []
-    assert first.ref_cnt == 1
-
-
-def test_blocks_freed_during_a_scan_are_not_yielded():
-    context, pool = _make_context()
-    held = pool.get_new_blocks(2)
-    _cache(pool, held[0])
-    expected = _queue_ids(pool)
-    seen = []
-    for block in context.iter_free_blocks():
-        seen.append(block.block_id)
-        if len(seen) == 1:
-            # Cached: to the tail, after the scan's end; uncached: to the front.
-            context.free_blocks(_ids(held))
-    assert seen == expected
-    assert _ids(context.iter_free_blocks(seen[-1])) == [held[0].block_id]
-
-
-def test_touch_and_free_of_each_yielded_block_terminates():
-    context, pool = _make_context()
-    for block in pool.blocks[1:]:
+    for block in pool.blocks[1:10:2]:
         _cache(pool, block)
-    expected = _queue_ids(pool)
-    seen = []
-    for block in context.iter_free_blocks():
-        seen.append(block.block_id)
-        assert len(seen) <= len(expected)
-        context.touch([block.block_id])
-        context.free_blocks([block.block_id])
-    assert seen == expected
-    assert _queue_ids(pool) == expected
+    window = list(itertools.islice(context.iter_free_blocks(), 4))
+    pinned = [b.block_id for b in window if b.block_hash is not None]
+    assert pinned and len(pinned) < 4
+    context.touch(pinned)
+    allocated = _ids(pool.get_new_blocks(4))
+    assert not set(pinned) & set(allocated)
+    assert all(context.get_block(i).block_hash is not None for i in pinned)
+    context.free_blocks(pinned)
+    assert _ids(context.iter_free_blocks())[-len(pinned) :] == pinned
 
 
-def test_scheduler_allocating_during_a_scan_skips_those_blocks():
+def test_scan_never_yields_the_sentinel():
+    """0.32.0's free queue ends in a sentinel block, which is no block."""
     context, pool = _make_context()
-    expected = _queue_ids(pool)
-    it = context.iter_free_blocks()
-    assert next(it).block_id == expected[0]
-    # The scheduler allocates from the front: the yielded block and the next.
-    assert _ids(pool.get_new_blocks(2)) == expected[:2]
-    assert _ids(it) == expected[2:]
-
-
-def test_scheduler_taking_the_scans_last_block_never_yields_the_sentinel():
-    """0.32.0's free queue ends in a sentinel block; a scan that lost its
-    last block must stop instead of walking into it."""
-    context, pool = _make_context()
-    expected = _queue_ids(pool)
-    it = context.iter_free_blocks()
-    assert next(it).block_id == expected[0]
-    # A prefix-cache hit on the scan's last block, then everything else.
-    pool.touch([pool.blocks[expected[-1]]])
-    assert _ids(it) == expected[1:-1]
-    it = context.iter_free_blocks()
-    next(it)
-    pool.get_new_blocks(pool.get_num_free_blocks())
-    assert list(it) == []
     sentinel = pool.free_block_queue.fake_free_list_tail
+    assert _ids(context.iter_free_blocks()) == _queue_ids(pool)
     assert all(b is not sentinel for b in context.iter_free_blocks())
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_iteration_under_random_touch_free_and_allocation(seed: int):
-    """Each block after the start is yielded once, in order, if it has not
-    left the free queue before it is reached; nothing else is yielded.
-    Connector references and scheduler allocations interleave."""
-    rng = random.Random(seed)
-    context, pool = _make_context(num_blocks=40)
-    held = pool.get_new_blocks(10)
-    for block in pool.blocks[1::3]:
-        _cache(pool, block)
-    start = rng.choice([None, *_ids(context.iter_free_blocks())[:5]])
-    snapshot = _queue_ids(pool)
-    if start is not None:
-        snapshot = snapshot[snapshot.index(start) + 1 :]
-    left: set[int] = set()
-    touched: list[int] = []
-    position = 0
-    for block in context.iter_free_blocks(start):
-        while snapshot[position] in left:
-            position += 1
-        assert block.block_id == snapshot[position]
-        assert block.ref_cnt == 0
-        position += 1
-        for _ in range(rng.randrange(3)):
-            action = rng.random()
-            if action < 0.4 or not touched:
-                candidates = [
-                    b for b in pool.blocks[1:] if b.ref_cnt == 0 or rng.random() < 0.1
-                ]
-                victim = rng.choice(candidates)
-                if victim.ref_cnt == 0:
-                    left.add(victim.block_id)
-                context.touch([victim.block_id])
-                touched.append(victim.block_id)
-            elif action < 0.6 and pool.get_num_free_blocks():
-                allocated = pool.get_new_blocks(1)
-                left.update(_ids(allocated))
-                held.extend(allocated)
-            else:
-                context.free_blocks([touched.pop(rng.randrange(len(touched)))])
-        if rng.random() < 0.2 and held:
-            pool.free_blocks([held.pop()])
-    assert all(i in left for i in snapshot[position:])
-    context.free_blocks(touched)
-    pool.free_blocks(held)
-    assert context.get_num_free_blocks() == 39
-    assert sorted(_queue_ids(pool)) == list(range(1, 40))
-
-
-def test_abandoned_iterators_are_forgotten():
-    context, pool = _make_context()
-    it = context.iter_free_blocks()
-    next(it)
-    never_started = context.iter_free_blocks()
-    assert len(context._scans) == 2
-    del it, never_started
-    assert len(context._scans) == 0
-    context.touch([5])
-    assert context.get_block(5).ref_cnt == 1
-
-
-def test_pool_reports_to_the_context_only_once_it_scans():
-    context, pool = _make_context()
-    context.touch([3])
-    context.free_blocks([3])
-    assert pool.free_queue_observers == []
-    list(context.iter_free_blocks())
-    list(context.iter_free_blocks())
-    assert pool.free_queue_observers == [context]
 
 
 # ---------------------------------------------------------------------------
@@ -558,14 +383,13 @@ def test_scheduler_binds_one_context_over_its_own_state():
     for request in requests:
         (block_ids,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
         assert all(context.get_block(i).ref_cnt == 1 for i in block_ids)
-    # The scheduler's own allocations keep a connector's cursor exact: it
-    # allocates the new request's blocks from the front of the free queue.
-    cursor = next(context.iter_free_blocks()).block_id
+    # The scheduler allocates the new request's blocks from the front of
+    # the free queue, which a scan no longer yields.
+    front = next(context.iter_free_blocks()).block_id
     scheduler.add_request(create_request(request_id=9, num_tokens=20))
     scheduler.schedule()
-    assert context.get_block(cursor).ref_cnt == 1
-    with pytest.raises(ValueError, match=f"block {cursor} has left"):
-        context.iter_free_blocks(cursor)
+    assert context.get_block(front).ref_cnt == 1
+    assert front not in _ids(context.iter_free_blocks())
 
 
 def test_multi_connector_forwards_the_context():
@@ -621,3 +445,20 @@ def test_connectors_without_override_get_no_warning(
         r for r in caplog_vllm.records if "bind_gpu_block_pool()" in r.getMessage()
     ]
     assert type(connector).bind_gpu_block_pool is KVConnectorBase_V1.bind_gpu_block_pool
+
+
+def test_in_tree_override_is_still_called_without_a_warning(
+    caplog_vllm: pytest.LogCaptureFixture,
+):
+    """The Mooncake store connector moves off bind_gpu_block_pool() when it
+    is removed; until then users are not told to change it."""
+    manager = _make_manager()
+    connector = object.__new__(MooncakeStoreConnector)
+    connector.connector_scheduler = MagicMock()
+    connector.bind_kv_cache_manager(manager)
+    connector.connector_scheduler.bind_gpu_block_pool.assert_called_once_with(
+        manager.block_pool
+    )
+    assert not [
+        r for r in caplog_vllm.records if "bind_gpu_block_pool()" in r.getMessage()
+    ]

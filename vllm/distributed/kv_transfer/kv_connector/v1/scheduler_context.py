@@ -15,14 +15,15 @@ reference counting, iteration) is written down in
 docs/design/kv_connector_scheduler_context.md.
 """
 
-import weakref
-from collections.abc import Iterable, Iterator, Sequence
+import contextlib
+import operator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 if TYPE_CHECKING:
-    from vllm.v1.core.block_pool import BlockPool, FreeQueueObserver
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 
@@ -112,25 +113,15 @@ class SchedulerContext(Protocol):
         """
         ...
 
-    def iter_free_blocks(
-        self, after_block_id: int | None = None
-    ) -> Iterator[KVCacheBlockView]:
+    def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
         """Free blocks in eviction order (next to be evicted first).
 
-        Starts at the front of the free queue, or right after
-        after_block_id in O(1), which must be a block a scan of this
-        context yielded and that has not left the free queue since, not even
-        briefly (a block that is allocated or touched and freed again is no
-        longer where the scan saw it). Otherwise the call itself raises
-        ValueError naming it, and the caller restarts from the front
-        (after_block_id=None).
-
-        The scan covers the blocks that were in the free queue, after the
-        start, when it started; each is yielded at most once, and only if it
-        is still free when reached. The scheduler and touch()/free_blocks()
-        may run between two steps of the scan: blocks that leave the free
-        queue are skipped, blocks that enter it are not yielded (resume
-        later to see them).
+        Stop iterating before calling touch() or free_blocks(), and do not
+        keep the iterator past the connector call that created it: the scan
+        follows the free queue's links, so resuming it after a block left the
+        queue may end it early. Collect the ids to act on first, as a lazy
+        offloader does (scan the first N blocks, then touch the ones it
+        stores).
         """
         ...
 
@@ -152,48 +143,6 @@ class SchedulerContext(Protocol):
         ...
 
 
-class _FreeQueueScan:
-    """Remaining range of one iter_free_blocks() scan: the next block to
-    yield and the last block the scan covers, both in the free queue."""
-
-    __slots__ = ("next_block", "last_block", "__weakref__")
-
-    def __init__(
-        self, next_block: "KVCacheBlock | None", last_block: "KVCacheBlock"
-    ) -> None:
-        self.next_block = next_block
-        self.last_block = last_block
-
-    def before_leave(self, leaving_ids: set[int]) -> None:
-        """Blocks with these ids are about to leave the free queue; the
-        queue's links are still intact."""
-        block = self.next_block
-        while block is not None and block.block_id in leaving_ids:
-            block = None if block is self.last_block else block.next_free_block
-        self.next_block = block
-        if block is None:
-            return
-        # The walk back stops at next_block at the latest: it stays.
-        last_block = self.last_block
-        while last_block.block_id in leaving_ids:
-            prev_block = last_block.prev_free_block
-            assert prev_block is not None
-            last_block = prev_block
-        self.last_block = last_block
-
-    def after_popleft(self, free_list_head: "KVCacheBlock") -> None:
-        """Blocks were just taken from the front of the free queue."""
-        block = self.next_block
-        if block is None or block.prev_free_block is not None:
-            return
-        # Everything up to next_block left; the rest of the range follows
-        # the new front, unless last_block left too.
-        if self.last_block.prev_free_block is None:
-            self.next_block = None
-        else:
-            self.next_block = free_list_head.next_free_block
-
-
 class BlockPoolSchedulerContext:
     """SchedulerContext over the scheduler's BlockPool.
 
@@ -206,23 +155,21 @@ class BlockPoolSchedulerContext:
         self.block_pool = block_pool
         self._blocks = block_pool.blocks
         self._free_queue = block_pool.free_block_queue
-        # Blocks a scan yielded that have not left the free queue since: the
-        # only valid resume points.
-        self._resumable: set[int] = set()
-        self._scans: weakref.WeakSet[_FreeQueueScan] = weakref.WeakSet()
-        self._observing = False
 
     def _lookup(self, block_id: int, what: str) -> "KVCacheBlock":
-        if (
-            not isinstance(block_id, int)
-            or isinstance(block_id, bool)
-            or not 0 <= block_id < len(self._blocks)
-        ):
+        # Any integer type is an id (numpy's too, as block tables often
+        # are); bool, float and str are not.
+        index = None
+        if not isinstance(block_id, bool):
+            with contextlib.suppress(TypeError):
+                index = operator.index(block_id)
+        if index is None or not 0 <= index < len(self._blocks):
             raise ValueError(
-                f"{what}: unknown block id {block_id!r}; valid ids are "
+                f"{what}: unknown block id {block_id!r} of type "
+                f"{type(block_id).__name__}; block ids are integers "
                 f"0..{len(self._blocks) - 1}"
             )
-        return self._blocks[block_id]
+        return self._blocks[index]
 
     def _lookup_referenceable(
         self, block_ids: Iterable[int], what: str
@@ -257,60 +204,12 @@ class BlockPoolSchedulerContext:
                 )
         self.block_pool.free_blocks(blocks)
 
-    def iter_free_blocks(
-        self, after_block_id: int | None = None
-    ) -> Iterator[KVCacheBlockView]:
-        if not self._observing:
-            # From the first scan on, the pool reports blocks leaving the
-            # free queue; connectors that never scan cost it nothing.
-            observer: FreeQueueObserver = self
-            self.block_pool.free_queue_observers.append(observer)
-            self._observing = True
-        queue = self._free_queue
-        if after_block_id is None:
-            start = queue.fake_free_list_head
-        else:
-            start = self._lookup(after_block_id, "iter_free_blocks")
-            if after_block_id not in self._resumable:
-                raise ValueError(
-                    f"iter_free_blocks: block {after_block_id} has left the "
-                    "free queue since a scan yielded it (or no scan did), so "
-                    "the scan cannot resume after it; restart with "
-                    "after_block_id=None"
-                )
-        last_block = queue.fake_free_list_tail.prev_free_block
-        assert last_block is not None
-        next_block = None if start is last_block else start.next_free_block
-        scan = _FreeQueueScan(next_block, last_block)
-        self._scans.add(scan)
-        return self._scan(scan)
-
-    def _scan(self, scan: _FreeQueueScan) -> Iterator[KVCacheBlockView]:
-        try:
-            while (block := scan.next_block) is not None:
-                scan.next_block = (
-                    None if block is scan.last_block else block.next_free_block
-                )
-                self._resumable.add(block.block_id)
-                yield block
-        finally:
-            self._scans.discard(scan)
-
-    def before_touch(self, blocks: Sequence["KVCacheBlock"]) -> None:
-        """FreeQueueObserver: the free ones among blocks are about to leave
-        the free queue."""
-        leaving_ids = {block.block_id for block in blocks}
-        self._resumable -= leaving_ids
-        for scan in list(self._scans):
-            scan.before_leave(leaving_ids)
-
-    def after_popleft(self, blocks: Sequence["KVCacheBlock"]) -> None:
-        """FreeQueueObserver: blocks were just taken from the front of the
-        free queue."""
-        if self._resumable:
-            self._resumable.difference_update(block.block_id for block in blocks)
-        for scan in list(self._scans):
-            scan.after_popleft(self._free_queue.fake_free_list_head)
+    def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
+        tail = self._free_queue.fake_free_list_tail
+        block = self._free_queue.fake_free_list_head.next_free_block
+        while block is not None and block is not tail:
+            yield block
+            block = block.next_free_block
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
@@ -328,7 +227,7 @@ class BlockPoolSchedulerContext:
             return []
         return [
             block.block_hash,
-            *self.block_pool.cached_block_hashes_by_block.get(block_id, ()),
+            *self.block_pool.cached_block_hashes_by_block.get(block.block_id, ()),
         ]
 
 
@@ -336,5 +235,5 @@ if TYPE_CHECKING:
     # vLLM's own objects satisfy the protocols; mypy checks it here.
     def _check_structural_types(
         block: "KVCacheBlock", context: BlockPoolSchedulerContext
-    ) -> tuple[KVCacheBlockView, SchedulerContext, "FreeQueueObserver"]:
-        return block, context, context
+    ) -> tuple[KVCacheBlockView, SchedulerContext]:
+        return block, context
