@@ -79,12 +79,11 @@ def overrides_lifecycle(cls: type) -> bool:
     """Whether ``cls`` (a KVConnectorBase_V1 subclass) overrides any of
     prepare/commit/abort_external_match(): the default of
     KVConnectorBase_V1.uses_external_match_lifecycle."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    return any(
-        getattr(cls, name) is not getattr(KVConnectorBase_V1, name)
-        for name in LIFECYCLE_METHODS
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        overrides_connector_method,
     )
+
+    return any(overrides_connector_method(cls, name) for name in LIFECYCLE_METHODS)
 
 
 def uses_lifecycle(connector: object) -> bool:
@@ -106,10 +105,9 @@ def check_match_api(cls: type) -> None:
     and commit_external_match() or update_state_after_alloc(). Called when a
     connector is constructed, so a connector implementing neither pair fails
     at startup rather than at its first request."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    def overrides(name: str) -> bool:
-        return getattr(cls, name) is not getattr(KVConnectorBase_V1, name)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        overrides_connector_method,
+    )
 
     missing = [
         f"{new}() or {legacy}()"
@@ -117,7 +115,8 @@ def check_match_api(cls: type) -> None:
             ("prepare_external_match", "get_num_new_matched_tokens"),
             ("commit_external_match", "update_state_after_alloc"),
         )
-        if not overrides(new) and not overrides(legacy)
+        if not overrides_connector_method(cls, new)
+        and not overrides_connector_method(cls, legacy)
     ]
     if missing:
         raise TypeError(
