@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -19,6 +21,7 @@ from kvlc_store.backends import (
 )
 from kvlc_store.chunk import FORMAT_VERSION, ChunkError
 from kvlc_store.config import StoreConfig
+from kvlc_store.identity import model_identity
 from kvlc_store.stats import StoreConnectorStats
 
 if TYPE_CHECKING:
@@ -29,13 +32,26 @@ if TYPE_CHECKING:
 # outside it has no handler and Python prints only its warnings.
 logger = init_logger(f"vllm.{__name__}")
 
+# Bumped whenever what store_identity describes changes, so chunks keyed the
+# old way are a miss (another identity), never a wrong hit.
+IDENTITY_VERSION = 2
 
-def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+# After a store failure, its operations are skipped (a miss, a skipped save)
+# for RETRY_FIRST_S, then tried again; each further failure doubles the wait,
+# up to RETRY_MAX_S. One timeout per retry instead of one per request.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
+
+
+def store_identity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None
+) -> str:
     """A digest of everything that makes stored KV usable by this server:
-    the chunk format, the model, its KV cache layout (per group: layers,
-    spec), the TP size, the block size and the block hash algorithm. Same on
-    the scheduler and every worker of a server, and on every server with the
-    same setup."""
+    the chunk format, the model (``model_identity``: its files' content, or
+    ``model_id``; never the path it was given by), its dtype and
+    quantization, its KV cache layout (per group: layers, spec), the TP
+    size, the block size and the block hash algorithm. Same on the scheduler
+    and every worker of a server, and on every server with the same setup."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -46,8 +62,10 @@ def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> s
     described = {
         # Chunks of another format live under other keys: never looked up.
         "format": FORMAT_VERSION,
-        "model": model.model,
-        "revision": model.revision,
+        "identity": IDENTITY_VERSION,
+        "model": model_identity(model.model, model.revision, model_id),
+        "hf_overrides": repr(model.hf_overrides),
+        "quantization": model.quantization,
         "dtype": str(model.dtype),
         "block_size": cache.block_size,
         "hash_algo": cache.prefix_caching_hash_algo,
@@ -71,6 +89,15 @@ def make_backend(config: StoreConfig) -> Backend:
     return DirectoryBackend(config.path, config.capacity_bytes)
 
 
+@dataclass
+class _Outage:
+    """A kind of store operation ("read" or "write") that failed."""
+
+    logged: bool = False
+    retry_at: float = 0.0
+    wait_s: float = RETRY_FIRST_S
+
+
 class StoreCore:
     """The store as both sides of the connector use it."""
 
@@ -90,7 +117,7 @@ class StoreCore:
         self._warned: set[str] = set()
         # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
         # full disk stops saves while reads still hit.
-        self._store_down: set[str] = set()
+        self._outages: dict[str, _Outage] = {}
 
     def keys(self, block_hash: bytes) -> list[str]:
         """The chunk key of ``block_hash`` for each TP rank."""
@@ -102,22 +129,41 @@ class StoreCore:
             self._warned.add(what)
             logger.warning(message, *args)
 
+    def usable(self, what: str = "read") -> bool:
+        """False while operations of kind ``what`` back off after a
+        failure: the caller skips the store (a miss, a skipped save)."""
+        outage = self._outages.get(what)
+        return outage is None or time.monotonic() >= outage.retry_at
+
     def unavailable(self, e: BackendUnavailable, what: str = "read") -> None:
-        """Count a failed store operation; warn once until it works again."""
+        """Count a failed store operation of kind ``what``; back off from
+        the store (``usable``), longer after each failure; warn once per
+        outage."""
         self.stats.inc("store_errors")
-        if what not in self._store_down:
-            self._store_down.add(what)
+        outage = self._outages.setdefault(what, _Outage())
+        outage.retry_at = time.monotonic() + outage.wait_s
+        outage.wait_s = min(2 * outage.wait_s, RETRY_MAX_S)
+        if not outage.logged:
+            outage.logged = True
             consequence = "skipping saves" if what == "write" else "running on misses"
             logger.warning(
-                "StoreConnector: store %s failed, %s until it works again: %s",
+                "StoreConnector: store %s failed, %s until it works again "
+                "(trying it again after %.0f s, then at doubling intervals up "
+                "to %.0f s): %s",
                 what,
                 consequence,
+                RETRY_FIRST_S,
+                RETRY_MAX_S,
                 e,
             )
 
     def available(self, what: str = "read") -> None:
-        if what in self._store_down:
-            self._store_down.discard(what)
+        """An operation of kind ``what`` did what failed before (a lease
+        taken, a chunk written): the outage is over. Callers must not call
+        it for one that had nothing to do (no chunk to lease, a chunk already
+        stored), which a read-only or full store lets through."""
+        outage = self._outages.pop(what, None)
+        if outage is not None and outage.logged:
             logger.info("StoreConnector: store %s works again", what)
 
     def bad_chunk(self, key: str, error: ChunkError) -> None:
@@ -132,9 +178,11 @@ class StoreCore:
 
     def release(self, lease_id: str, keys: Iterable[str], count: bool) -> None:
         keys = list(keys)
-        try:
-            self.backend.release(keys, lease_id)
-        except BackendUnavailable as e:
-            self.unavailable(e)  # The lease expires on its own.
+        # A lease not released expires on its own.
+        if self.usable():
+            try:
+                self.backend.release(keys, lease_id)
+            except BackendUnavailable as e:
+                self.unavailable(e)
         if count:
             self.stats.inc("leases_released")

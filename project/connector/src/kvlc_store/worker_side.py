@@ -207,6 +207,8 @@ class WorkerSide:
         core = self._core
         hits: dict[str, int] = {}
         for probe in meta.probes:
+            if not core.usable():
+                break
             keys = [keys[self.rank] for keys in probe.keys]
             lease_id = new_lease_id()
             try:
@@ -214,6 +216,8 @@ class WorkerSide:
             except BackendUnavailable as e:
                 core.unavailable(e)
                 continue
+            if n:
+                core.available()
             # Like the scheduler's lookup, reads on past a damaged chunk:
             # each one found is deleted now, so this request's save writes
             # it again.
@@ -256,6 +260,8 @@ class WorkerSide:
         """Write one block; False if the store failed (unreachable, full,
         an I/O error): the save is skipped, the server goes on."""
         core, layout = self._core, self.layout
+        if not core.usable("write"):
+            return False
         key = save.keys[self.rank]
         if layout.on_host:
             parts: list[memoryview] = layout.segments(save.block_id)
@@ -265,13 +271,14 @@ class WorkerSide:
         header = encode_header(core.identity, key, size, checksum(parts))
         try:
             evicted = core.backend.put(key, [header, *parts])
-            core.available("write")
         except BackendUnavailable as e:
             core.unavailable(e, "write")
             return False
+        if evicted is not None:  # Written: a write that failed before works.
+            core.available("write")
         core.stats.inc("stored_bytes", HEADER_BYTES + size)
         core.stats.inc("stored_chunks")
-        core.stats.inc("evictions", evicted)
+        core.stats.inc("evictions", evicted or 0)
         return True
 
     def take_saved(self) -> SavedBlocks | None:
