@@ -8,7 +8,8 @@ about a minute on two cores) and shared by the tests of this module:
   lookups off, so every hit it gets is found and loaded by its workers
   (``before_update_states``), from chunks ``redis_a`` stored.
 
-Faults: a writer killed halfway through a chunk of the ``dir`` store, and a
+Faults: Redis stopped and hung (SIGSTOP) under ``redis_a``, a writer killed
+halfway through a chunk of the ``dir`` store, and a
 Redis-backed server SIGKILLed while it holds a lease or halfway through a
 write (each with its own Redis and servers: one killed, then a fresh one on
 the same store).
@@ -341,11 +342,64 @@ def test_redis_down_means_misses_not_errors(setup):
         assert "store read failed, running on misses" in a.server.log_text()
     finally:
         redis.start()  # same port, empty
+    # The connector skips the store for a second after a failure.
+    time.sleep(2)
     stored = a.complete(prompt("epsilon"))
     assert stored.cached_tokens == 0
     back = a.complete(prompt("epsilon"))
     assert back.cached_tokens == 2 * BLOCK
     assert_same_output(back, reference)
+
+
+def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
+    """Redis stopped (SIGSTOP: connections are accepted, nothing answers):
+    after the first timeouts the connector skips the store, so requests are
+    plain misses at full speed instead of each waiting out
+    ``redis_timeout_s`` (2 s here, several times per request); it retries
+    at growing intervals, says so once, and hits again once Redis answers."""
+    a: Engine = setup["redis_a"]
+    redis: RedisServer = setup["redis"]
+    reference = a.complete(prompt("eta"))
+    start = len(a.server.log_text())
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    seconds: list[float] = []
+    try:
+        deadline = time.monotonic() + 12
+        i = 0
+        while time.monotonic() < deadline:
+            began = time.monotonic()
+            down = a.complete(prompt("eta") if i % 2 else prompt(f"eta-hung-{i}"))
+            seconds.append(time.monotonic() - began)
+            assert down.cached_tokens == 0
+            if i % 2:
+                assert_same_output(down, reference)
+            i += 1
+        during = a.server.log_text()[start:]
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    # Retries (each a 2 s timeout) at 1, 2, 4, 8 s: the other requests
+    # skip the store. Without the backoff every request took over 2 s.
+    fast = [s for s in seconds if s < 1.5]
+    assert len(fast) >= len(seconds) // 2 and len(fast) >= 4, seconds
+    assert during.count("store read failed, running on misses") == 1, during
+    assert during.count("store write failed, skipping saves") == 1, during
+    assert "works again" not in during
+    deadline = time.monotonic() + 60  # past the longest wait between retries
+    back: Answer | None = None
+    while time.monotonic() < deadline:
+        back = a.complete(prompt("eta"))
+        if back.cached_tokens:
+            break
+        time.sleep(1)
+    assert back is not None and back.cached_tokens == 2 * BLOCK
+    assert_same_output(back, reference)
+    stored = a.complete(prompt("eta-after"))
+    assert a.complete(prompt("eta-after")).cached_tokens == 2 * BLOCK
+    assert stored.cached_tokens == 0
+    after = a.server.log_text()[start:]
+    assert after.count("store read works again") == 1, after
+    assert after.count("store write works again") == 1, after
 
 
 # -- a server killed mid-work ---------------------------------------------

@@ -149,3 +149,39 @@ def test_store_errors_are_counted_and_logged_once(
     conn.available("write")
     conn.unavailable(full, "write")  # failing again after a recovery: warn again
     assert len(infos) == 1 and len(warnings) == 3
+
+
+def test_failing_store_is_skipped_with_growing_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """After a failure the store is skipped (no call waits out a hung
+    store's timeout) for RETRY_FIRST_S, doubling with each failed retry up
+    to RETRY_MAX_S; one line when it fails, one when an operation that
+    needs the store works again."""
+    from kvlc_store import core
+    from kvlc_store.config import parse_config
+
+    now = [1000.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: now[0])
+    lines: list[str] = []
+    monkeypatch.setattr(core.logger, "warning", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setattr(core.logger, "info", lambda msg, *a: lines.append(msg % a))
+    config = parse_config({"path": str(tmp_path / "backoff")})
+    conn = core.StoreCore(config, DirectoryBackend(tmp_path, 10**6), "ident0", 1)
+    hung = BackendUnavailable("redis: Timeout reading from socket")
+    waits = []
+    for _ in range(8):
+        conn.unavailable(hung)
+        start = now[0]
+        while not conn.usable():
+            now[0] += 0.5
+        waits.append(now[0] - start)
+        assert conn.usable("write")  # saves have their own state
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert len(lines) == 1
+    assert "store read failed, running on misses until it works again" in lines[0]
+    conn.available()
+    assert lines[1:] == ["StoreConnector: store read works again"]
+    conn.unavailable(hung)  # a new outage starts from the first wait
+    now[0] += 1.0
+    assert conn.usable() and len(lines) == 3

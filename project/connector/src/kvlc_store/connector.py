@@ -115,13 +115,12 @@ class StoreConnector(KVConnectorBase_V1):
                 "False needs a vLLM with KVConnectorBase_V1.before_update_states "
                 "(the kvlc patch stack); set it to true"
             )
-        if config.offload == "lazy":
-            if not HAS_SCHEDULER_CONTEXT:
-                raise ValueError(
-                    "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
-                    "needs a vLLM with KVConnectorBase_V1.bind_scheduler_context "
-                    "(the kvlc patch stack); set it to 'eager'"
-                )
+        if config.offload == "lazy" and not HAS_SCHEDULER_CONTEXT:
+            raise ValueError(
+                "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
+                "needs a vLLM with KVConnectorBase_V1.bind_scheduler_context "
+                "(the kvlc patch stack); set it to 'eager'"
+            )
         check_vllm_config(config, bool(vllm_config.cache_config.enable_prefix_caching))
         self._config = config
         self._block_size = vllm_config.cache_config.block_size
@@ -132,6 +131,9 @@ class StoreConnector(KVConnectorBase_V1):
             backend,
             identity,
             vllm_config.parallel_config.tensor_parallel_size,
+            load_failure_policy=self._kv_transfer_config.kv_load_failure_policy,
+            tells_read_outages=role == KVConnectorRole.SCHEDULER
+            or not config.scheduler_lookup,
         )
         self._scheduler = SchedulerSide(
             self._core,

@@ -108,8 +108,12 @@ class StoreCore:
         identity: str,
         tp_size: int,
         stats: StoreConnectorStats | None = None,
+        load_failure_policy: str = "fail",
+        tells_read_outages: bool = True,
     ) -> None:
         self.config = config
+        # vLLM's kv_load_failure_policy: what a block that fails to load does.
+        self.load_failure_policy = load_failure_policy
         self.backend = backend
         self.identity = identity
         self.tp_size = tp_size
@@ -118,6 +122,9 @@ class StoreCore:
         # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
         # full disk stops saves while reads still hit.
         self._outages: dict[str, _Outage] = {}
+        # False on the workers when the scheduler looks prompts up: it says
+        # when reads fail, once for the server.
+        self._tells_read_outages = tells_read_outages
 
     def keys(self, block_hash: bytes) -> list[str]:
         """The chunk key of ``block_hash`` for each TP rank."""
@@ -143,7 +150,7 @@ class StoreCore:
         outage = self._outages.setdefault(what, _Outage())
         outage.retry_at = time.monotonic() + outage.wait_s
         outage.wait_s = min(2 * outage.wait_s, RETRY_MAX_S)
-        if not outage.logged:
+        if not outage.logged and (what == "write" or self._tells_read_outages):
             outage.logged = True
             consequence = "skipping saves" if what == "write" else "running on misses"
             logger.warning(
@@ -166,15 +173,36 @@ class StoreCore:
         if outage is not None and outage.logged:
             logger.info("StoreConnector: store %s works again", what)
 
-    def bad_chunk(self, key: str, error: ChunkError) -> None:
+    def bad_chunk(self, key: str, error: ChunkError, at_load: bool = False) -> None:
         """A chunk that must not be used: count, warn once, delete it (the
-        request's own save then writes it again)."""
+        request's own save then writes it again). ``at_load``: found while
+        loading a hit the scheduler took (a load error), not by a lookup (a
+        miss)."""
         self.stats.inc("corrupt_chunks")
+        if not at_load:
+            consequence = "treated as a miss"
+        elif self.load_failure_policy == "recompute":
+            consequence = (
+                "its block fails to load and vLLM recomputes the request from "
+                "there (kv_load_failure_policy 'recompute')"
+            )
+        else:
+            consequence = (
+                f"its block fails to load and vLLM fails the request "
+                f"(kv_load_failure_policy {self.load_failure_policy!r}: the "
+                'client gets an error); set "kv_load_failure_policy": '
+                '"recompute" in --kv-transfer-config to recompute it instead'
+            )
         self.warn_once(
-            key, "StoreConnector: chunk %s unusable (%s); treated as a miss", key, error
+            key,
+            "StoreConnector: chunk %s unusable (%s), deleted; %s",
+            key,
+            error,
+            consequence,
         )
-        with contextlib.suppress(BackendUnavailable):
-            self.backend.delete(key)
+        if self.usable():
+            with contextlib.suppress(BackendUnavailable):
+                self.backend.delete(key)
 
     def release(self, lease_id: str, keys: Iterable[str], count: bool) -> None:
         keys = list(keys)

@@ -78,12 +78,14 @@ class WorkerSide:
         block_ids: Sequence[int],
         keys: Sequence[str],
         buffer: BufferReader | None = None,
+        probe: bool = False,
     ) -> Iterator[tuple[int, str, bool | None]]:
         """Read ``keys`` into ``block_ids`` in order and check each; yield
         (block id, key, True if loaded / False if damaged / None if not
         stored). Stops early if the store fails. From ``buffer`` instead of
         the store if given: a damaged chunk there is None (the store's copy
-        may be fine), and nothing is deleted."""
+        may be fine), and nothing is deleted. ``probe``: a worker-side
+        lookup, where a damaged chunk is a miss, not a load error."""
         core, layout = self._core, self.layout
         source: Backend | BufferReader = core.backend if buffer is None else buffer
         if layout.on_host:
@@ -108,7 +110,7 @@ class WorkerSide:
                     if buffer is not None:
                         yield block_id, key, None
                         continue
-                    core.bad_chunk(key, e)
+                    core.bad_chunk(key, e, at_load=not probe)
                     yield block_id, key, False
                     continue
                 if stagings:
@@ -223,7 +225,7 @@ class WorkerSide:
             # it again.
             good = 0
             whole = True
-            for _, _, ok in self._read(probe.block_ids[:n], keys[:n]):
+            for _, _, ok in self._read(probe.block_ids[:n], keys[:n], probe=True):
                 whole = whole and bool(ok)
                 good += whole
                 if ok is None:
