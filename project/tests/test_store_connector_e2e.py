@@ -342,12 +342,16 @@ def test_redis_down_means_misses_not_errors(setup):
         assert "store read failed, running on misses" in a.server.log_text()
     finally:
         redis.start()  # same port, empty
-    # The connector skips the store for a second after a failure.
-    time.sleep(2)
-    stored = a.complete(prompt("epsilon"))
-    assert stored.cached_tokens == 0
-    back = a.complete(prompt("epsilon"))
-    assert back.cached_tokens == 2 * BLOCK
+    # The connector skips the store for a few seconds after a failure, then
+    # stores the prompt again and hits it.
+    deadline = time.monotonic() + 60
+    back: Answer | None = None
+    while time.monotonic() < deadline:
+        back = a.complete(prompt("epsilon"))
+        if back.cached_tokens:
+            break
+        time.sleep(1)
+    assert back is not None and back.cached_tokens == 2 * BLOCK
     assert_same_output(back, reference)
 
 
@@ -365,7 +369,7 @@ def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
     redis.proc.send_signal(signal.SIGSTOP)
     seconds: list[float] = []
     try:
-        deadline = time.monotonic() + 12
+        deadline = time.monotonic() + 15
         i = 0
         while time.monotonic() < deadline:
             began = time.monotonic()
@@ -378,14 +382,15 @@ def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
         during = a.server.log_text()[start:]
     finally:
         redis.proc.send_signal(signal.SIGCONT)
-    # Retries (each a 2 s timeout) at 1, 2, 4, 8 s: the other requests
-    # skip the store. Without the backoff every request took over 2 s.
-    fast = [s for s in seconds if s < 1.5]
-    assert len(fast) >= len(seconds) // 2 and len(fast) >= 4, seconds
+    # The first request waits out the timeout of the scheduler's lookup and
+    # of the workers' (2 s each), retries wait it out again (5 s, then 10 s
+    # apart); the others skip the store. Before the backoff every request
+    # took over 6 s.
+    fast = [s for s in seconds if s < 2.0]
+    assert len(fast) >= 3 and len(fast) > len(seconds) - len(fast), seconds
     assert during.count("store read failed, running on misses") == 1, during
-    assert during.count("store write failed, skipping saves") == 1, during
-    assert "works again" not in during
-    deadline = time.monotonic() + 60  # past the longest wait between retries
+    assert "store read works again" not in during
+    deadline = time.monotonic() + 90  # past the longest wait between retries
     back: Answer | None = None
     while time.monotonic() < deadline:
         back = a.complete(prompt("eta"))
@@ -399,7 +404,8 @@ def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
     assert stored.cached_tokens == 0
     after = a.server.log_text()[start:]
     assert after.count("store read works again") == 1, after
-    assert after.count("store write works again") == 1, after
+    # Saves stopped with the failed reads: no outage of their own to end.
+    assert after.count("store write failed") == after.count("store write works again")
 
 
 # -- a server killed mid-work ---------------------------------------------

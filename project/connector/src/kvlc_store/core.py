@@ -38,9 +38,11 @@ IDENTITY_VERSION = 2
 
 # After a store failure, its operations are skipped (a miss, a skipped save)
 # for RETRY_FIRST_S, then tried again; each further failure doubles the wait,
-# up to RETRY_MAX_S. One timeout per retry instead of one per request.
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 30.0
+# up to RETRY_MAX_S. A hung store then costs one timeout per retry instead of
+# several per request; the first wait is longer than a request that waits out
+# Redis's default timeout a few times.
+RETRY_FIRST_S = 5.0
+RETRY_MAX_S = 60.0
 
 
 def store_identity(
@@ -150,6 +152,12 @@ class StoreCore:
         outage = self._outages.setdefault(what, _Outage())
         outage.retry_at = time.monotonic() + outage.wait_s
         outage.wait_s = min(2 * outage.wait_s, RETRY_MAX_S)
+        if what == "read":
+            # A store that cannot be read (unreachable, hung) cannot be
+            # written either: skip saves as long (a full disk fails only
+            # writes, so a failed write leaves reads alone).
+            writes = self._outages.setdefault("write", _Outage())
+            writes.retry_at = max(writes.retry_at, outage.retry_at)
         if not outage.logged and (what == "write" or self._tells_read_outages):
             outage.logged = True
             consequence = "skipping saves" if what == "write" else "running on misses"
