@@ -37,11 +37,12 @@ logger = init_logger(f"vllm.{__name__}")
 IDENTITY_VERSION = 2
 
 # After a store failure, its operations are skipped (a miss, a skipped save)
-# for RETRY_FIRST_S, then tried again; each further failure doubles the wait,
-# up to RETRY_MAX_S. A hung store then costs one timeout per retry instead of
-# several per request; the first wait is longer than a request that waits out
-# Redis's default timeout a few times.
+# for RETRY_FIRST_S (on Redis at least RETRY_TIMEOUTS times redis_timeout_s,
+# what a retry may cost), then tried again; each further failure doubles the
+# wait, up to RETRY_MAX_S. A hung store then costs one timeout per retry
+# instead of several per request.
 RETRY_FIRST_S = 5.0
+RETRY_TIMEOUTS = 4
 RETRY_MAX_S = 60.0
 
 
@@ -66,7 +67,7 @@ def store_identity(
         "format": FORMAT_VERSION,
         "identity": IDENTITY_VERSION,
         "model": model_identity(model.model, model.revision, model_id),
-        "hf_overrides": repr(model.hf_overrides),
+        "hf_overrides": _described(model.hf_overrides),
         "quantization": model.quantization,
         "dtype": str(model.dtype),
         "block_size": cache.block_size,
@@ -76,6 +77,16 @@ def store_identity(
     }
     blob = json.dumps(described, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def _described(value: object) -> object:
+    """``value`` as the same text in every process: a function (vLLM's
+    ``hf_overrides`` may be one) by its name, not its address."""
+    if callable(value):
+        return (
+            f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+        )
+    return value
 
 
 def make_backend(config: StoreConfig) -> Backend:
@@ -95,9 +106,9 @@ def make_backend(config: StoreConfig) -> Backend:
 class _Outage:
     """A kind of store operation ("read" or "write") that failed."""
 
+    wait_s: float
     logged: bool = False
     retry_at: float = 0.0
-    wait_s: float = RETRY_FIRST_S
 
 
 class StoreCore:
@@ -124,6 +135,11 @@ class StoreCore:
         # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
         # full disk stops saves while reads still hit.
         self._outages: dict[str, _Outage] = {}
+        self._first_wait_s = RETRY_FIRST_S
+        if config.backend == "redis":
+            self._first_wait_s = max(
+                RETRY_FIRST_S, RETRY_TIMEOUTS * config.redis_timeout_s
+            )
         # False on the workers when the scheduler looks prompts up: it says
         # when reads fail, once for the server.
         self._tells_read_outages = tells_read_outages
@@ -149,14 +165,14 @@ class StoreCore:
         the store (``usable``), longer after each failure; warn once per
         outage."""
         self.stats.inc("store_errors")
-        outage = self._outages.setdefault(what, _Outage())
+        outage = self._outages.setdefault(what, _Outage(self._first_wait_s))
         outage.retry_at = time.monotonic() + outage.wait_s
         outage.wait_s = min(2 * outage.wait_s, RETRY_MAX_S)
         if what == "read":
             # A store that cannot be read (unreachable, hung) cannot be
             # written either: skip saves as long (a full disk fails only
             # writes, so a failed write leaves reads alone).
-            writes = self._outages.setdefault("write", _Outage())
+            writes = self._outages.setdefault("write", _Outage(self._first_wait_s))
             writes.retry_at = max(writes.retry_at, outage.retry_at)
         if not outage.logged and (what == "write" or self._tells_read_outages):
             outage.logged = True
@@ -167,7 +183,7 @@ class StoreCore:
                 "to %.0f s): %s",
                 what,
                 consequence,
-                RETRY_FIRST_S,
+                self._first_wait_s,
                 RETRY_MAX_S,
                 e,
             )
