@@ -393,7 +393,7 @@ def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
     assert len(fast) >= 3 and len(fast) > len(seconds) - len(fast), seconds
     assert during.count("store read failed, running on misses") == 1, during
     assert "store read works again" not in during
-    deadline = time.monotonic() + 90  # past the longest wait between retries
+    deadline = time.monotonic() + 120  # past the longest wait between retries
     back: Answer | None = None
     while time.monotonic() < deadline:
         back = a.complete(prompt("eta"))
@@ -402,8 +402,14 @@ def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
         time.sleep(1)
     assert back is not None and back.cached_tokens == 2 * BLOCK
     assert_same_output(back, reference)
-    stored = a.complete(prompt("eta-after"))
-    assert a.complete(prompt("eta-after")).cached_tokens == 2 * BLOCK
+    # Saves resume once the workers' own wait is over too.
+    while time.monotonic() < deadline:
+        stored = a.complete(prompt(f"eta-after-{i}"))
+        if a.complete(prompt(f"eta-after-{i}")).cached_tokens:
+            break
+        i += 1
+        time.sleep(1)
+    assert a.complete(prompt(f"eta-after-{i}")).cached_tokens == 2 * BLOCK
     assert stored.cached_tokens == 0
     after = a.server.log_text()[start:]
     assert after.count("store read works again") == 1, after
