@@ -409,8 +409,9 @@ def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
             break
         i += 1
         time.sleep(1)
-    assert a.complete(prompt(f"eta-after-{i}")).cached_tokens == 2 * BLOCK
-    assert stored.cached_tokens == 0
+    again = a.complete(prompt(f"eta-after-{i}"))
+    assert stored.cached_tokens == 0 and again.cached_tokens >= 2 * BLOCK
+    assert_same_output(again, stored)
     after = a.server.log_text()[start:]
     assert after.count("store read works again") == 1, after
     # Saves stopped with the failed reads: no outage of their own to end.

@@ -113,7 +113,7 @@ def remount(engine: Engine, store: Path, mode: str) -> None:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The writer, and the first prompt it stored."""
+    """Both servers, and the first prompt the writer stored."""
     root = tmp_path_factory.mktemp("store-shared")
     why = bind_mounts_work(root / "probe")
     if why is not None:
@@ -121,36 +121,34 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             pytest.fail(f"{why} (KVLC_REQUIRE_E2E=1)")
         pytest.skip(why)
     model = make_model(root / "model")
+    link = root / "mounted-elsewhere"
+    link.symlink_to(model, target_is_directory=True)
     store = root / "store"
     store.mkdir()
     writer = start_in_namespace("writer", root, model, store, read_only=False)
+    engines = [writer]
     try:
-        writer.server.wait_healthy(writer.url, timeout=600)
-        stored = writer.complete(prompt("shared"))
+        # The reader opens a store a server made (its layout is what marks a
+        # directory as a store): start it once the writer's connector did,
+        # while the writer is still starting.
+        deadline = time.monotonic() + 600
+        while not (store / "chunks").is_dir():
+            assert writer.server.proc.poll() is None, writer.server.log_tail()
+            assert time.monotonic() < deadline, "the writer made no store"
+            time.sleep(1)
+        reader = start_in_namespace("reader", root, link, store, read_only=True)
+        engines.append(reader)
+        for engine in engines:
+            engine.server.wait_healthy(engine.url, timeout=600)
         yield {
-            "root": root,
-            "model": model,
             "store": store,
             "writer": writer,
-            "stored": stored,
+            "reader": reader,
+            "stored": writer.complete(prompt("shared")),
         }
     finally:
-        writer.server.stop()
-
-
-@pytest.fixture(scope="module")
-def reader(setup: dict[str, Any]) -> Iterator[Engine]:
-    """The reader: the model through a symlink, the store (which the
-    writer filled) mounted read-only."""
-    root: Path = setup["root"]
-    link = root / "mounted-elsewhere"
-    link.symlink_to(setup["model"], target_is_directory=True)
-    engine = start_in_namespace("reader", root, link, setup["store"], read_only=True)
-    try:
-        engine.server.wait_healthy(engine.url, timeout=600)
-        yield engine
-    finally:
-        engine.server.stop()
+        for engine in engines:
+            engine.server.stop()
 
 
 def store_files(store: Path) -> dict[str, float]:
@@ -168,17 +166,19 @@ def identity(engine: Engine) -> str:
     raise AssertionError(f"no identity line in {engine.name}'s log")
 
 
-def test_one_model_under_two_paths_shares_the_store(setup, reader: Engine):
+def test_one_model_under_two_paths_shares_the_store(setup):
     """The reader serves the model by another path than the writer: same
     identity, so it hits what the writer stored, with the same output."""
     writer: Engine = setup["writer"]
+    reader: Engine = setup["reader"]
     assert identity(writer) == identity(reader)
     hit = reader.complete(prompt("shared"))
     assert hit.cached_tokens == 2 * BLOCK
     assert_same_output(hit, setup["stored"])
 
 
-def test_read_only_store_serves_hits_and_saves_nothing(setup, reader: Engine):
+def test_read_only_store_serves_hits_and_saves_nothing(setup):
+    reader: Engine = setup["reader"]
     store: Path = setup["store"]
     before = store_files(store)
     new = [reader.complete(prompt("reader-only")) for _ in range(2)]
