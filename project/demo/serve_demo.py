@@ -482,9 +482,10 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing may cut the cleanup short; one Interrupted is enough.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if interrupted is None:
-            step("stopping the server")
         if server is not None:
+            # A server still starting may take its SIGTERM grace (30 s).
+            cause = "" if interrupted is None else f"interrupted ({interrupted}): "
+            step(f"{cause}stopping the server")
             server.stop()
         if passed or interrupted is not None:
             if scratch is not None:

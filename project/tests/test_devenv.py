@@ -31,3 +31,35 @@ def test_aibrix_kvcache_is_pinned_and_installed_apart():
     lines = (REPO / devenv.AIBRIX_REQUIREMENTS).read_text().splitlines()
     pinned = [ln for ln in lines if ln and not ln.startswith("#")]
     assert pinned == ["aibrix-kvcache==0.8.0"]
+
+
+def test_demo_installs_what_it_serves_and_the_tests_add_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``./wb demo`` installs the patched vLLM and the connector only; a
+    later ``./wb test`` installs the test tools on top, and a demo after
+    that installs nothing."""
+    installs: list[list[str]] = []
+    monkeypatch.setattr(
+        devenv, "_pip_install", lambda python, args, what, log: installs.append(args)
+    )
+    monkeypatch.setattr(devenv.venv, "create", lambda *a, **k: None)
+    monkeypatch.setattr(devenv, "_stack_digest", lambda root: "d1")
+
+    class Version:
+        stdout = "0.32.0+kvlc.cpu"
+        stderr = ""
+
+    monkeypatch.setattr(devenv.subprocess, "run", lambda *a, **k: Version())
+    (tmp_path / ".venv").mkdir()
+    devenv.ensure(tmp_path, demo_only=True)
+    assert installs == [[str(tmp_path), "-e", f"{tmp_path / devenv.CONNECTOR}[redis]"]]
+    devenv.ensure(tmp_path, demo_only=True)
+    assert len(installs) == 1
+    devenv.ensure(tmp_path)
+    full = " ".join(installs[1])
+    assert devenv.TEST_REQUIREMENTS in full and devenv.MOONCAKE_REQUIREMENTS in full
+    assert devenv.AIBRIX in full and len(installs) == 3
+    devenv.ensure(tmp_path, demo_only=True)
+    devenv.ensure(tmp_path)
+    assert len(installs) == 3

@@ -8,7 +8,8 @@ about a minute on two cores) and shared by the tests of this module:
   lookups off, so every hit it gets is found and loaded by its workers
   (``before_update_states``), from chunks ``redis_a`` stored.
 
-Faults: a writer killed halfway through a chunk of the ``dir`` store, and a
+Faults: Redis stopped and hung (SIGSTOP) under ``redis_a``, a writer killed
+halfway through a chunk of the ``dir`` store, and a
 Redis-backed server SIGKILLed while it holds a lease or halfway through a
 write (each with its own Redis and servers: one killed, then a fresh one on
 the same store).
@@ -147,6 +148,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "backend": "redis",
             "redis_url": redis.url,
             "check_external_match_lifecycle": True,
+            # Far above a request's time on a loaded machine, so a request
+            # that waits it out stands out (test_hung_redis_...).
+            "redis_timeout_s": 5,
         },
         "redis_b": {
             "backend": "redis",
@@ -341,11 +345,77 @@ def test_redis_down_means_misses_not_errors(setup):
         assert "store read failed, running on misses" in a.server.log_text()
     finally:
         redis.start()  # same port, empty
-    stored = a.complete(prompt("epsilon"))
-    assert stored.cached_tokens == 0
-    back = a.complete(prompt("epsilon"))
-    assert back.cached_tokens == 2 * BLOCK
+    # The connector skips the store for a few seconds after a failure, then
+    # stores the prompt again and hits it.
+    deadline = time.monotonic() + 60
+    back: Answer | None = None
+    while time.monotonic() < deadline:
+        back = a.complete(prompt("epsilon"))
+        if back.cached_tokens:
+            break
+        time.sleep(1)
+    assert back is not None and back.cached_tokens == 2 * BLOCK
     assert_same_output(back, reference)
+
+
+def test_hung_redis_is_skipped_then_retried_until_it_answers(setup):
+    """Redis stopped (SIGSTOP: connections are accepted, nothing answers):
+    after the first timeouts the connector skips the store, so requests are
+    plain misses at full speed instead of each waiting out
+    ``redis_timeout_s`` (5 s here, several times per request); it retries
+    at growing intervals, says so once, and hits again once Redis answers."""
+    a: Engine = setup["redis_a"]
+    redis: RedisServer = setup["redis"]
+    reference = a.complete(prompt("eta"))
+    start = len(a.server.log_text())
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    seconds: list[float] = []
+    try:
+        deadline = time.monotonic() + 20
+        i = 0
+        while time.monotonic() < deadline:
+            began = time.monotonic()
+            down = a.complete(prompt("eta") if i % 2 else prompt(f"eta-hung-{i}"))
+            seconds.append(time.monotonic() - began)
+            assert down.cached_tokens == 0
+            if i % 2:
+                assert_same_output(down, reference)
+            i += 1
+        during = a.server.log_text()[start:]
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    # The first request waits out the 5 s timeout of the scheduler's lookup
+    # and of the workers'; then the store is skipped for 20 s (4 timeouts)
+    # and requests take what a miss takes. Before the backoff every request
+    # waited out two or three timeouts.
+    fast = [s for s in seconds if s < 5]
+    assert len(fast) >= 3 and len(fast) > len(seconds) - len(fast), seconds
+    assert during.count("store read failed, running on misses") == 1, during
+    assert "store read works again" not in during
+    deadline = time.monotonic() + 120  # past the longest wait between retries
+    back: Answer | None = None
+    while time.monotonic() < deadline:
+        back = a.complete(prompt("eta"))
+        if back.cached_tokens:
+            break
+        time.sleep(1)
+    assert back is not None and back.cached_tokens == 2 * BLOCK
+    assert_same_output(back, reference)
+    # Saves resume once the workers' own wait is over too.
+    while time.monotonic() < deadline:
+        stored = a.complete(prompt(f"eta-after-{i}"))
+        if a.complete(prompt(f"eta-after-{i}")).cached_tokens:
+            break
+        i += 1
+        time.sleep(1)
+    again = a.complete(prompt(f"eta-after-{i}"))
+    assert stored.cached_tokens == 0 and again.cached_tokens >= 2 * BLOCK
+    assert_same_output(again, stored)
+    after = a.server.log_text()[start:]
+    assert after.count("store read works again") == 1, after
+    # Saves stopped with the failed reads: no outage of their own to end.
+    assert after.count("store write failed") == after.count("store write works again")
 
 
 # -- a server killed mid-work ---------------------------------------------

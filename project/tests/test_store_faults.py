@@ -149,3 +149,91 @@ def test_store_errors_are_counted_and_logged_once(
     conn.available("write")
     conn.unavailable(full, "write")  # failing again after a recovery: warn again
     assert len(infos) == 1 and len(warnings) == 3
+
+
+def test_failing_store_is_skipped_with_growing_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """After a failure the store is skipped (no call waits out a hung
+    store's timeout) for RETRY_FIRST_S, doubling with each failed retry up
+    to RETRY_MAX_S (saves too, after a failed read; not reads after a failed
+    save); one line when it fails, one when an operation that needs the
+    store works again."""
+    from kvlc_store import core
+    from kvlc_store.config import parse_config
+
+    now = [1000.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: now[0])
+    lines: list[str] = []
+    monkeypatch.setattr(core.logger, "warning", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setattr(core.logger, "info", lambda msg, *a: lines.append(msg % a))
+    config = parse_config({"path": str(tmp_path / "backoff")})
+    conn = core.StoreCore(config, DirectoryBackend(tmp_path, 10**6), "ident0", 1)
+    hung = BackendUnavailable("redis: Timeout reading from socket")
+    waits = []
+    for _ in range(7):
+        conn.unavailable(hung)
+        assert not conn.usable("write")  # an unreadable store is not written
+        start = now[0]
+        while not conn.usable():
+            now[0] += 0.5
+        waits.append(now[0] - start)
+        assert conn.usable("write")
+    assert waits == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
+    assert len(lines) == 1
+    assert "store read failed, running on misses until it works again" in lines[0]
+    conn.unavailable(BackendUnavailable("No space left on device"), "write")
+    assert conn.usable() and not conn.usable("write")  # a full disk reads
+    assert len(lines) == 2 and "skipping saves" in lines[1]
+    now[0] += 5.0
+    conn.available("write")
+    conn.available()
+    assert lines[2:] == [
+        "StoreConnector: store write works again",
+        "StoreConnector: store read works again",
+    ]
+    conn.unavailable(hung)  # a new outage starts from the first wait
+    now[0] += 5.0
+    assert conn.usable() and len(lines) == 5
+
+
+def test_read_only_store_is_read_and_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A store this process cannot write (a read-only mount; root passes
+    mode bits, so the refusal is simulated here: test_store_shared_e2e.py
+    mounts one for real) is opened read-only: reads work, nothing is
+    written, leased, marked used or deleted; the settings check accepts it
+    only if it holds a store."""
+    from kvlc_store import config
+
+    DirectoryBackend(tmp_path / "store", 10**6).put(KEY, DATA)
+    (tmp_path / "empty").mkdir()
+    real_open = os.open
+
+    def refuse_writes(path: Any, flags: int, *args: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(directory.os, "open", refuse_writes)
+    monkeypatch.setattr(config.tempfile, "mkstemp", lambda **k: refuse_writes("", 1))
+    assert config.parse_config({"path": str(tmp_path / "store")}).path
+    with pytest.raises(ValueError, match="cannot create or write it"):
+        config.parse_config({"path": str(tmp_path / "empty")})
+
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "store").rglob("*")}
+    store = DirectoryBackend(tmp_path / "store", 10**6)
+    assert store.read_only
+    other = f"ident0/{2:064x}.0"
+    assert store.lease([KEY, other], new_lease_id(), 60) == 1
+    assert store.get(KEY) == DATA
+    target = bytearray(len(DATA) - 10)
+    assert list(store.read_into([KEY], 10, [[memoryview(target)]])) == [
+        (DATA[:10], len(DATA))
+    ]
+    assert store.put(other, DATA) is None
+    store.delete(KEY)
+    store.release([KEY], "lease")
+    after = {p: p.stat().st_mtime_ns for p in (tmp_path / "store").rglob("*")}
+    assert after == before

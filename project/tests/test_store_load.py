@@ -115,11 +115,23 @@ def test_chunks_of_another_format_live_under_other_keys(monkeypatch):
     """The store identity (every key's prefix) includes the chunk format:
     a server never looks up chunks an older connector wrote."""
     config = SimpleNamespace(
-        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        model_config=SimpleNamespace(
+            model="m",
+            revision=None,
+            dtype="bfloat16",
+            hf_overrides={},
+            quantization=None,
+        ),
         cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
     )
     kv_cache_config = SimpleNamespace(kv_cache_groups=[])
-    now = store_identity(config, kv_cache_config)  # type: ignore[arg-type]
+    now = store_identity(config, kv_cache_config, None)  # type: ignore[arg-type]
     monkeypatch.setattr(core_module, "FORMAT_VERSION", FORMAT_VERSION - 1)
-    assert store_identity(config, kv_cache_config) != now  # type: ignore[arg-type]
+    assert store_identity(config, kv_cache_config, None) != now  # type: ignore[arg-type]
+    monkeypatch.setattr(core_module, "FORMAT_VERSION", FORMAT_VERSION)
+    # Nor chunks keyed by an earlier identity scheme (the model's path).
+    monkeypatch.setattr(
+        core_module, "IDENTITY_VERSION", core_module.IDENTITY_VERSION - 1
+    )
+    assert store_identity(config, kv_cache_config, None) != now  # type: ignore[arg-type]

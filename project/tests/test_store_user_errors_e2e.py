@@ -22,6 +22,7 @@ from redis_server import free_port
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
 import serve_demo  # noqa: E402
+from make_model import make_model  # noqa: E402
 
 # Far below an engine start (a minute or more on two cores), above a loaded
 # machine's vLLM import.
@@ -29,10 +30,14 @@ FAIL_WITHIN_S = 300
 LAST_LINES = 6
 
 
-def serve(tmp_path: Path, kv: dict[str, Any]) -> tuple[int, str, float]:
-    """Run ``vllm serve`` (on a model directory that does not exist: the
-    check must come first) and return its exit status, output and time."""
-    command = serve_demo.server_command(tmp_path / "model", free_port(), kv)
+def serve(
+    tmp_path: Path, kv: dict[str, Any], model: Path | None = None
+) -> tuple[int, str, float]:
+    """Run ``vllm serve`` (by default on a model directory that does not
+    exist: the check must come first) and return its exit status, output
+    and time."""
+    model = model or tmp_path / "model"
+    command = serve_demo.server_command(model, free_port(), kv)
     start = time.monotonic()
     done = subprocess.run(
         command,
@@ -124,3 +129,25 @@ def test_misspelled_class_names_the_package(tmp_path: Path):
         "(package kvlc_store); did you mean 'StoreConnector'?"
     ) in last, output[-3000:]
     assert not (tmp_path / "store").exists()
+
+
+def test_setting_that_needs_another_engine_argument_stops_before_the_model(
+    tmp_path: Path,
+):
+    """``offload: lazy`` needs prefix caching, which the served command
+    turns off (``--no-enable-prefix-caching``): the check needs vLLM's whole
+    configuration, so it runs on a real model, when vLLM assembles that
+    configuration, and still stops the server before the model loads."""
+    model = make_model(tmp_path / "real-model")
+    store = tmp_path / "store"
+    kv = kv_config({"path": str(store), "offload": "lazy"})
+    status, output, seconds = serve(tmp_path, kv, model)
+    last = "\n".join(output.strip().splitlines()[-LAST_LINES:])
+    assert status != 0
+    assert (
+        "['offload'] = 'lazy' stores blocks the prefix cache is about to evict, "
+        "and prefix caching is off; drop --no-enable-prefix-caching"
+    ) in last, output[-3000:]
+    assert "Starting to load model" not in output
+    assert not store.exists()
+    print(f"exit {status} after {seconds:.1f} s; last lines:\n{last}")

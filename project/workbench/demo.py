@@ -1,4 +1,5 @@
-"""``./wb demo``: install the patched vLLM, then run ``project/demo/serve_demo.py``.
+"""``./wb demo``: install the patched vLLM and the reference connector, then
+run ``project/demo/serve_demo.py``.
 
 Ctrl-C reaches the demo script too (same process group); the script stops its
 server's process group and removes its scratch folders, which takes a few
@@ -48,5 +49,5 @@ def run(root: Path, rest: list[str]) -> int:
     if {"-h", "--help"} & set(rest):
         # The script's parser needs nothing but the standard library.
         return run_child([sys.executable, str(script), "--help"], echo=False)
-    python = devenv.ensure(root)
+    python = devenv.ensure(root, demo_only=True)
     return run_child([str(python), str(script), *rest])

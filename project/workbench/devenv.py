@@ -125,42 +125,57 @@ def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
     print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
 
 
-def ensure(root: Path) -> Path:
-    """Return ``.venv``'s python with the patched vLLM and test tools installed."""
+def ensure(root: Path, demo_only: bool = False) -> Path:
+    """Return ``.venv``'s python with the patched vLLM and the reference
+    connector installed, and, unless ``demo_only`` (what ``./wb demo``
+    serves), the test tools: the test requirements, the Mooncake store and
+    kvlc-aibrix. A later full ``ensure`` adds those to a demo's ``.venv``.
+    """
     env_dir = root / ".venv"
     python = env_dir / "bin" / "python"
     marker = env_dir / "kvlc-installed"
     digest = _stack_digest(root)
-    if marker.exists() and marker.read_text() == digest:
+    demo_state = f"demo {digest}"
+    enough = {digest, demo_state} if demo_only else {digest}
+    if marker.exists() and marker.read_text() in enough:
         print(f"{env_dir}: patched vLLM is up to date")
         return python
     if not python.exists():
         print(f"creating {env_dir}")
         venv.create(env_dir, with_pip=True)
-    _pip_install(
-        python,
-        [
-            str(root),
-            "-r",
-            str(root / TEST_REQUIREMENTS),
-            "-r",
-            str(root / MOONCAKE_REQUIREMENTS),
-            "-e",
-            # The redis extra: hiredis, redis-py's fast reply parser.
-            f"{root / CONNECTOR}[redis]",
-            "-e",
-            str(root / AIBRIX),
-        ],
-        "installing the patched vLLM (built from the release and patches/), "
-        "the test requirements, the reference connector and kvlc-aibrix",
-        env_dir / "kvlc-pip-install.log",
-    )
-    _pip_install(
-        python,
-        ["--no-deps", "-r", str(root / AIBRIX_REQUIREMENTS)],
-        "installing aibrix-kvcache without its declared dependencies",
-        env_dir / "kvlc-pip-install-aibrix.log",
-    )
+    # The redis extra: hiredis, redis-py's fast reply parser.
+    connector = ["-e", f"{root / CONNECTOR}[redis]"]
+    if demo_only:
+        _pip_install(
+            python,
+            [str(root), *connector],
+            "installing the patched vLLM (built from the release and patches/) "
+            "and the reference connector",
+            env_dir / "kvlc-pip-install.log",
+        )
+    else:
+        _pip_install(
+            python,
+            [
+                str(root),
+                "-r",
+                str(root / TEST_REQUIREMENTS),
+                "-r",
+                str(root / MOONCAKE_REQUIREMENTS),
+                *connector,
+                "-e",
+                str(root / AIBRIX),
+            ],
+            "installing the patched vLLM (built from the release and patches/), "
+            "the test requirements, the reference connector and kvlc-aibrix",
+            env_dir / "kvlc-pip-install.log",
+        )
+        _pip_install(
+            python,
+            ["--no-deps", "-r", str(root / AIBRIX_REQUIREMENTS)],
+            "installing aibrix-kvcache without its declared dependencies",
+            env_dir / "kvlc-pip-install-aibrix.log",
+        )
     version = subprocess.run(
         [str(env_dir / "bin" / "vllm"), "--version"],
         capture_output=True,
@@ -170,7 +185,7 @@ def ensure(root: Path) -> Path:
     print(f"vllm --version: {version.stdout.strip() or version.stderr.strip()[-500:]}")
     if "+kvlc" not in version.stdout:
         raise WorkbenchError("the installed vLLM is not the patched build")
-    marker.write_text(digest)
+    marker.write_text(demo_state if demo_only else digest)
     return python
 
 

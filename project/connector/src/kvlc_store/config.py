@@ -1,9 +1,12 @@
 """The connector's settings, from ``kv_connector_extra_config``, validated once.
 
 ``parse_config`` checks every key and value (and that the store is usable: the
-directory writable, Redis answering) and raises one ``ValueError`` listing
-each problem with the key it concerns and how to fix it. The store is only
-touched once every other setting is valid, so a bad config creates nothing.
+directory readable and writable or creatable, or a read-only store to serve
+hits from; Redis answering) and raises one ``ValueError`` listing each
+problem with the key it concerns and how to fix it. The check creates
+nothing (the backend creates the directory when the connector starts), and
+``check_vllm_config`` checks the settings that depend on the rest of vLLM's
+configuration before any model loads.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvlc_store.backends.directory import READ_ONLY_ERRNOS, is_store
 
 PREFIX = "kv_connector_extra_config"
 
@@ -49,6 +54,9 @@ _KEYS = {
     "asynchronous KV loads (true/false; default false)",
     "pinned_buffer": "pinned host memory for the batched transfers of a KV "
     "cache on a GPU (bytes or a size like '1GiB'; default 256MiB)",
+    "model_id": "a name for the model in the store's identity, instead of a "
+    "digest of the model directory's files (servers with the same name, "
+    "dtype and KV layout share chunks)",
 }
 
 # Keys of kv_connector_extra_config that vLLM itself reads: allowed, ignored.
@@ -85,6 +93,7 @@ class StoreConfig:
     prefetch_buffer_bytes: int = 0
     load_async: bool = False
     pinned_buffer_bytes: int = DEFAULT_PINNED_BUFFER
+    model_id: str | None = None
 
 
 def parse_size(value: object) -> int | None:
@@ -244,6 +253,11 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
             "= false turns off; set it to 0 or scheduler_lookup to true",
         )
 
+    model_id = extra.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        bad("model_id", model_id, "set a non-empty name, or remove it")
+        model_id = None
+
     namespace = extra.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not re.fullmatch(
         r"[A-Za-z0-9_.-]+", namespace
@@ -261,8 +275,6 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
             bad("path", raw, "set the directory the store keeps its chunks in")
         else:
             path = Path(raw).expanduser().resolve()
-            # Last, and only for an otherwise valid config: the check creates
-            # the directory.
             if check_store and not problems:
                 problem = _check_directory(path)
                 if problem:
@@ -301,18 +313,41 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         prefetch_buffer_bytes=prefetch_buffer,
         load_async=load_async,
         pinned_buffer_bytes=pinned_buffer,
+        model_id=model_id,
     )
 
 
+def check_vllm_config(config: StoreConfig, enable_prefix_caching: bool) -> None:
+    """The settings that depend on the rest of vLLM's configuration; raises
+    ``ValueError`` naming the setting and its fix. Called by the plugin once
+    vLLM has built its whole configuration (before the engine starts) and by
+    the connector."""
+    if config.offload == "lazy" and not enable_prefix_caching:
+        raise ValueError(
+            f"StoreConnector: {PREFIX}['offload'] = 'lazy' stores blocks the "
+            "prefix cache is about to evict, and prefix caching is off; drop "
+            "--no-enable-prefix-caching or set it to 'eager'"
+        )
+
+
 def _check_directory(path: Path) -> str | None:
+    """Why ``path`` cannot hold a store, or None. Creates nothing: an
+    existing directory is probed with a temporary file (removed at once), a
+    missing one through its nearest existing parent."""
     if path.exists() and not path.is_dir():
         return "exists and is not a directory; point it at a directory"
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory; point it at a directory"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path, prefix=".probe-")
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".kvlc-probe-")
         os.close(fd)
         os.unlink(name)
     except OSError as e:
+        if probe == path and e.errno in READ_ONLY_ERRNOS and is_store(path):
+            return None  # A read-only store: served for hits, never written.
         return f"cannot create or write it ({e.strerror}); use a writable directory"
     return None
 

@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvlc_store.config import parse_config
+from kvlc_store.config import check_vllm_config, parse_config
 from kvlc_store.core import StoreCore, logger, make_backend, store_identity
 from kvlc_store.metadata import Offer, StoreMetadata
 from kvlc_store.offload import LazyOffload, SavedBlocks
@@ -117,28 +117,25 @@ class StoreConnector(KVConnectorBase_V1):
                 "False needs a vLLM with KVConnectorBase_V1.before_update_states "
                 "(the kvlc patch stack); set it to true"
             )
-        if config.offload == "lazy":
-            if not HAS_SCHEDULER_CONTEXT:
-                raise ValueError(
-                    "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
-                    "needs a vLLM with KVConnectorBase_V1.bind_scheduler_context "
-                    "(the kvlc patch stack); set it to 'eager'"
-                )
-            if not vllm_config.cache_config.enable_prefix_caching:
-                raise ValueError(
-                    "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
-                    "stores blocks the prefix cache is about to evict, and prefix "
-                    "caching is off; drop --no-enable-prefix-caching or set it "
-                    "to 'eager'"
-                )
+        if config.offload == "lazy" and not HAS_SCHEDULER_CONTEXT:
+            raise ValueError(
+                "StoreConnector: kv_connector_extra_config['offload'] = 'lazy' "
+                "needs a vLLM with KVConnectorBase_V1.bind_scheduler_context "
+                "(the kvlc patch stack); set it to 'eager'"
+            )
+        check_vllm_config(config, bool(vllm_config.cache_config.enable_prefix_caching))
         self._config = config
         self._block_size = vllm_config.cache_config.block_size
-        identity = store_identity(vllm_config, kv_cache_config)
+        identity = store_identity(vllm_config, kv_cache_config, config.model_id)
+        backend = make_backend(config)
         self._core = StoreCore(
             config,
-            make_backend(config),
+            backend,
             identity,
             vllm_config.parallel_config.tensor_parallel_size,
+            load_failure_policy=self._kv_transfer_config.kv_load_failure_policy,
+            tells_read_outages=role == KVConnectorRole.SCHEDULER
+            or not config.scheduler_lookup,
         )
         self._scheduler = SchedulerSide(
             self._core,
@@ -164,6 +161,12 @@ class StoreConnector(KVConnectorBase_V1):
             HAS_WORKER_HITS,
             HAS_SCHEDULER_CONTEXT,
         )
+        if role == KVConnectorRole.SCHEDULER and backend.read_only:
+            logger.warning(
+                "StoreConnector: store %s is read-only: serving hits from it, "
+                "saving nothing",
+                config.path,
+            )
         if (
             role == KVConnectorRole.SCHEDULER
             and self._kv_transfer_config.kv_load_failure_policy != "recompute"
@@ -260,7 +263,7 @@ class StoreConnector(KVConnectorBase_V1):
     def bind_scheduler_context(self, scheduler_context: Any) -> None:
         """Stack entry 3: the scheduler's typed view of its KV cache."""
         self._scheduler.context = scheduler_context
-        if self._config.offload == "lazy":
+        if self._config.offload == "lazy" and not self._core.backend.read_only:
             scheduler = self._vllm_config.scheduler_config
             window = self._config.offload_window_blocks or 2 * -(
                 -scheduler.max_num_batched_tokens // self._block_size

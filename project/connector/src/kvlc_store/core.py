@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -19,6 +21,7 @@ from kvlc_store.backends import (
 )
 from kvlc_store.chunk import FORMAT_VERSION, ChunkError
 from kvlc_store.config import StoreConfig
+from kvlc_store.identity import model_identity
 from kvlc_store.stats import StoreConnectorStats
 
 if TYPE_CHECKING:
@@ -29,13 +32,29 @@ if TYPE_CHECKING:
 # outside it has no handler and Python prints only its warnings.
 logger = init_logger(f"vllm.{__name__}")
 
+# Bumped whenever what store_identity describes changes, so chunks keyed the
+# old way are a miss (another identity), never a wrong hit.
+IDENTITY_VERSION = 2
 
-def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+# After a store failure, its operations are skipped (a miss, a skipped save)
+# for RETRY_FIRST_S (on Redis at least RETRY_TIMEOUTS times redis_timeout_s,
+# what a retry may cost), then tried again; each further failure doubles the
+# wait, up to RETRY_MAX_S. A hung store then costs one timeout per retry
+# instead of several per request.
+RETRY_FIRST_S = 5.0
+RETRY_TIMEOUTS = 4
+RETRY_MAX_S = 60.0
+
+
+def store_identity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None
+) -> str:
     """A digest of everything that makes stored KV usable by this server:
-    the chunk format, the model, its KV cache layout (per group: layers,
-    spec), the TP size, the block size and the block hash algorithm. Same on
-    the scheduler and every worker of a server, and on every server with the
-    same setup."""
+    the chunk format, the model (``model_identity``: its files' content, or
+    ``model_id``; never the path it was given by), its dtype and
+    quantization, its KV cache layout (per group: layers, spec), the TP
+    size, the block size and the block hash algorithm. Same on the scheduler
+    and every worker of a server, and on every server with the same setup."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -46,8 +65,10 @@ def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> s
     described = {
         # Chunks of another format live under other keys: never looked up.
         "format": FORMAT_VERSION,
-        "model": model.model,
-        "revision": model.revision,
+        "identity": IDENTITY_VERSION,
+        "model": model_identity(model.model, model.revision, model_id),
+        "hf_overrides": _described(model.hf_overrides),
+        "quantization": model.quantization,
         "dtype": str(model.dtype),
         "block_size": cache.block_size,
         "hash_algo": cache.prefix_caching_hash_algo,
@@ -56,6 +77,16 @@ def store_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> s
     }
     blob = json.dumps(described, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def _described(value: object) -> object:
+    """``value`` as the same text in every process: a function (vLLM's
+    ``hf_overrides`` may be one) by its name, not its address."""
+    if callable(value):
+        return (
+            f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+        )
+    return value
 
 
 def make_backend(config: StoreConfig) -> Backend:
@@ -71,6 +102,15 @@ def make_backend(config: StoreConfig) -> Backend:
     return DirectoryBackend(config.path, config.capacity_bytes)
 
 
+@dataclass
+class _Outage:
+    """A kind of store operation ("read" or "write") that failed."""
+
+    wait_s: float
+    logged: bool = False
+    retry_at: float = 0.0
+
+
 class StoreCore:
     """The store as both sides of the connector use it."""
 
@@ -81,8 +121,12 @@ class StoreCore:
         identity: str,
         tp_size: int,
         stats: StoreConnectorStats | None = None,
+        load_failure_policy: str = "fail",
+        tells_read_outages: bool = True,
     ) -> None:
         self.config = config
+        # vLLM's kv_load_failure_policy: what a block that fails to load does.
+        self.load_failure_policy = load_failure_policy
         self.backend = backend
         self.identity = identity
         self.tp_size = tp_size
@@ -90,7 +134,15 @@ class StoreCore:
         self._warned: set[str] = set()
         # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
         # full disk stops saves while reads still hit.
-        self._store_down: set[str] = set()
+        self._outages: dict[str, _Outage] = {}
+        self._first_wait_s = RETRY_FIRST_S
+        if config.backend == "redis":
+            self._first_wait_s = max(
+                RETRY_FIRST_S, RETRY_TIMEOUTS * config.redis_timeout_s
+            )
+        # False on the workers when the scheduler looks prompts up: it says
+        # when reads fail, once for the server.
+        self._tells_read_outages = tells_read_outages
 
     def keys(self, block_hash: bytes) -> list[str]:
         """The chunk key of ``block_hash`` for each TP rank."""
@@ -102,39 +154,87 @@ class StoreCore:
             self._warned.add(what)
             logger.warning(message, *args)
 
+    def usable(self, what: str = "read") -> bool:
+        """False while operations of kind ``what`` back off after a
+        failure: the caller skips the store (a miss, a skipped save)."""
+        outage = self._outages.get(what)
+        return outage is None or time.monotonic() >= outage.retry_at
+
     def unavailable(self, e: BackendUnavailable, what: str = "read") -> None:
-        """Count a failed store operation; warn once until it works again."""
+        """Count a failed store operation of kind ``what``; back off from
+        the store (``usable``), longer after each failure; warn once per
+        outage."""
         self.stats.inc("store_errors")
-        if what not in self._store_down:
-            self._store_down.add(what)
+        outage = self._outages.setdefault(what, _Outage(self._first_wait_s))
+        outage.retry_at = time.monotonic() + outage.wait_s
+        outage.wait_s = min(2 * outage.wait_s, RETRY_MAX_S)
+        if what == "read":
+            # A store that cannot be read (unreachable, hung) cannot be
+            # written either: skip saves as long (a full disk fails only
+            # writes, so a failed write leaves reads alone).
+            writes = self._outages.setdefault("write", _Outage(self._first_wait_s))
+            writes.retry_at = max(writes.retry_at, outage.retry_at)
+        if not outage.logged and (what == "write" or self._tells_read_outages):
+            outage.logged = True
             consequence = "skipping saves" if what == "write" else "running on misses"
             logger.warning(
-                "StoreConnector: store %s failed, %s until it works again: %s",
+                "StoreConnector: store %s failed, %s until it works again "
+                "(trying it again after %.0f s, then at doubling intervals up "
+                "to %.0f s): %s",
                 what,
                 consequence,
+                self._first_wait_s,
+                RETRY_MAX_S,
                 e,
             )
 
     def available(self, what: str = "read") -> None:
-        if what in self._store_down:
-            self._store_down.discard(what)
+        """An operation of kind ``what`` did what failed before (a lease
+        taken, a chunk written): the outage is over. Callers must not call
+        it for one that had nothing to do (no chunk to lease, a chunk already
+        stored), which a read-only or full store lets through."""
+        outage = self._outages.pop(what, None)
+        if outage is not None and outage.logged:
             logger.info("StoreConnector: store %s works again", what)
 
-    def bad_chunk(self, key: str, error: ChunkError) -> None:
+    def bad_chunk(self, key: str, error: ChunkError, at_load: bool = False) -> None:
         """A chunk that must not be used: count, warn once, delete it (the
-        request's own save then writes it again)."""
+        request's own save then writes it again). ``at_load``: found while
+        loading a hit the scheduler took (a load error), not by a lookup (a
+        miss)."""
         self.stats.inc("corrupt_chunks")
+        if not at_load:
+            consequence = "treated as a miss"
+        elif self.load_failure_policy == "recompute":
+            consequence = (
+                "its block fails to load and vLLM recomputes the request from "
+                "there (kv_load_failure_policy 'recompute')"
+            )
+        else:
+            consequence = (
+                f"its block fails to load and vLLM fails the request "
+                f"(kv_load_failure_policy {self.load_failure_policy!r}: the "
+                'client gets an error); set "kv_load_failure_policy": '
+                '"recompute" in --kv-transfer-config to recompute it instead'
+            )
         self.warn_once(
-            key, "StoreConnector: chunk %s unusable (%s); treated as a miss", key, error
+            key,
+            "StoreConnector: chunk %s unusable (%s), deleted; %s",
+            key,
+            error,
+            consequence,
         )
-        with contextlib.suppress(BackendUnavailable):
-            self.backend.delete(key)
+        if self.usable():
+            with contextlib.suppress(BackendUnavailable):
+                self.backend.delete(key)
 
     def release(self, lease_id: str, keys: Iterable[str], count: bool) -> None:
         keys = list(keys)
-        try:
-            self.backend.release(keys, lease_id)
-        except BackendUnavailable as e:
-            self.unavailable(e)  # The lease expires on its own.
+        # A lease not released expires on its own.
+        if self.usable():
+            try:
+                self.backend.release(keys, lease_id)
+            except BackendUnavailable as e:
+                self.unavailable(e)
         if count:
             self.stats.inc("leases_released")

@@ -14,8 +14,11 @@ loaded and the KV cache sized. So ``register`` also extends
 connector is checked the moment it is built (``--kv-transfer-config`` is
 parsed, or ``KVTransferConfig(...)`` is called), in seconds and before any
 engine process starts. A bad setting then ends ``vllm serve`` with an
-argument error naming each bad key and its fix, and creates nothing (the
-store directory is only created once every other key is valid).
+argument error naming each bad key and its fix, and creates nothing. A
+setting that depends on other engine arguments (``offload: lazy`` needs
+prefix caching) is checked the same way by an extended
+``VllmConfig.__post_init__``, when vLLM assembles its whole configuration,
+still before any engine process starts or any weight loads.
 """
 
 from __future__ import annotations
@@ -74,6 +77,26 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> None:
     parse_config(dict(kv_transfer_config.kv_connector_extra_config or {}))
 
 
+def _ours(kv_transfer_config: Any) -> bool:
+    return kv_transfer_config is not None and (
+        kv_transfer_config.kv_connector == CONNECTOR
+        and kv_transfer_config.kv_connector_module_path in (None, *MODULE_PATHS)
+    )
+
+
+def check_vllm_config(vllm_config: Any) -> None:
+    """Raise ``ValueError`` naming the setting and its fix if this
+    connector's settings do not fit the rest of ``vllm_config``."""
+    from kvlc_store.config import check_vllm_config, parse_config
+
+    kv_transfer_config = vllm_config.kv_transfer_config
+    if not _ours(kv_transfer_config):
+        return
+    extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    config = parse_config(extra, check_store=False)
+    check_vllm_config(config, vllm_config.cache_config.enable_prefix_caching)
+
+
 def _is_registered(name: str) -> bool:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -83,18 +106,25 @@ def _is_registered(name: str) -> bool:
 
 
 def _install_check() -> None:
+    from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
 
-    if getattr(KVTransferConfig, _CHECK_MARK, False):
-        return
-    original = KVTransferConfig.__post_init__
+    _extend_post_init(KVTransferConfig, check_kv_transfer_config)
+    _extend_post_init(VllmConfig, check_vllm_config)
 
-    def __post_init__(self: KVTransferConfig) -> None:
+
+def _extend_post_init(cls: Any, check: Any) -> None:
+    """Run ``check(instance)`` after ``cls.__post_init__``, once per class."""
+    if getattr(cls, _CHECK_MARK, False):
+        return
+    original = cls.__post_init__
+
+    def __post_init__(self: Any) -> None:
         original(self)
-        check_kv_transfer_config(self)
+        check(self)
 
     # pydantic's dataclass validator looks ``__post_init__`` up on the class
     # each time it builds an instance, so replacing it takes effect at once.
     # setattr: mypy refuses assigning to a method.
-    setattr(KVTransferConfig, "__post_init__", __post_init__)  # noqa: B010
-    setattr(KVTransferConfig, _CHECK_MARK, True)
+    setattr(cls, "__post_init__", __post_init__)  # noqa: B010
+    setattr(cls, _CHECK_MARK, True)

@@ -85,6 +85,8 @@ class SchedulerSide:
         if not core.config.scheduler_lookup:
             return None
         core.stats.inc("lookups")
+        if not core.usable():
+            return None
         if num_computed_tokens % bs:
             return None
         start = num_computed_tokens // bs
@@ -99,10 +101,11 @@ class SchedulerSide:
         lease_id = new_lease_id()
         try:
             n = core.backend.lease(flat, lease_id, core.config.lease_ttl_s)
-            core.available()
         except BackendUnavailable as e:
             core.unavailable(e)
             return None
+        if n:
+            core.available()
         num_blocks = n // core.tp_size
         if core.config.verify_on_lookup:
             num_blocks = self._checked_prefix(per_block[:num_blocks])
@@ -243,7 +246,7 @@ class SchedulerSide:
             saved = self._saved_until.get(req_id, 0)
             loaded = self._loaded_until.get(req_id, 0)
             block_ids: list[int] | None = None
-            if done > saved and self.lazy is None:
+            if done > saved and self.lazy is None and not core.backend.read_only:
                 block_ids = self.block_ids(req_id)
                 for i in range(max(saved, 0), min(done, len(block_ids))):
                     if i < loaded:

@@ -127,12 +127,14 @@ class WorkerSide:
         block_ids: Sequence[int],
         keys: Sequence[str],
         buffer: BufferReader | None = None,
+        probe: bool = False,
     ) -> Iterator[tuple[int, str, bool | None]]:
         """Read ``keys`` into ``block_ids`` in order and check each; yield
         (block id, key, True if loaded / False if damaged / None if not
         stored). Stops early if the store fails. From ``buffer`` instead of
         the store if given: a damaged chunk there is None (the store's copy
-        may be fine), and nothing is deleted."""
+        may be fine), and nothing is deleted. ``probe``: a worker-side
+        lookup, where a damaged chunk is a miss, not a load error."""
         core, layout = self._core, self.layout
         source: Backend | BufferReader = core.backend if buffer is None else buffer
         if self._device is not None:
@@ -153,7 +155,7 @@ class WorkerSide:
                     if buffer is not None:
                         yield block_id, key, None
                         continue
-                    core.bad_chunk(key, e)
+                    core.bad_chunk(key, e, at_load=not probe)
                     yield block_id, key, False
                     continue
                 self._count_loaded(head, buffer)
@@ -353,6 +355,8 @@ class WorkerSide:
         if self._device is not None:
             self._device.mark_compute()
         for probe in meta.probes:
+            if not core.usable():
+                break
             keys = [keys[self.rank] for keys in probe.keys]
             lease_id = new_lease_id()
             try:
@@ -360,12 +364,14 @@ class WorkerSide:
             except BackendUnavailable as e:
                 core.unavailable(e)
                 continue
+            if n:
+                core.available()
             # Like the scheduler's lookup, reads on past a damaged chunk:
             # each one found is deleted now, so this request's save writes
             # it again.
             good = 0
             whole = True
-            for _, _, ok in self._read(probe.block_ids[:n], keys[:n]):
+            for _, _, ok in self._read(probe.block_ids[:n], keys[:n], probe=True):
                 whole = whole and bool(ok)
                 good += whole
                 if ok is None:
@@ -421,20 +427,24 @@ class WorkerSide:
 
     def _write_chunk(self, key: str, parts: Sequence[memoryview]) -> bool:
         """Store the chunk ``key`` of payload ``parts``; False if the store
-        failed (unreachable, full, an I/O error): the save is skipped, the
-        server goes on. Also the save thread's (``async_save.py``)."""
+        failed (unreachable, full, an I/O error) or is being backed off
+        from: the save is skipped, the server goes on. Also the save
+        thread's (``async_save.py``)."""
         core = self._core
+        if not core.usable("write"):
+            return False
         size = sum(p.nbytes for p in parts)
         header = encode_header(core.identity, key, size, checksum(parts))
         try:
             evicted = core.backend.put(key, [header, *parts])
-            core.available("write")
         except BackendUnavailable as e:
             core.unavailable(e, "write")
             return False
+        if evicted is not None:  # Written: a write that failed before works.
+            core.available("write")
         core.stats.inc("stored_bytes", HEADER_BYTES + size)
         core.stats.inc("stored_chunks")
-        core.stats.inc("evictions", evicted)
+        core.stats.inc("evictions", evicted or 0)
         return True
 
     def handle_preemptions(self, meta: StoreMetadata) -> None:

@@ -25,10 +25,16 @@ class BackendUnavailable(Exception):
 class Backend(Protocol):
     """The storage interface the connector uses."""
 
-    def put(self, key: str, data: Data) -> int:
+    # Serves reads only: ``put`` writes nothing, leases are not taken (the
+    # store is taken not to change), nothing is deleted.
+    read_only: bool
+
+    def put(self, key: str, data: Data) -> int | None:
         """Store ``data`` (or its parts, concatenated) under ``key``
         (atomically: a reader sees all or nothing) unless the key is already
-        stored; return the number of chunks evicted to stay under the cap."""
+        stored; return the number of chunks evicted to stay under the cap,
+        or None if nothing was written (the key was stored; a read-only
+        store)."""
         ...
 
     def get(self, key: str) -> bytes | None:

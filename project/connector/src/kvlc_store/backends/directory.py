@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import os
@@ -25,6 +26,31 @@ from kvlc_store.backends.base import (
 _IOV_MAX = 512
 
 _T = TypeVar("_T")
+
+# What writing to a read-only store fails with: a read-only mount, or a
+# directory this user may read but not write.
+READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def is_store(path: Path) -> bool:
+    """Whether ``path`` holds a store's layout (a server wrote to it)."""
+    return (path / "chunks").is_dir()
+
+
+def _read_only(root: Path) -> bool:
+    """Whether ``root`` (an existing store) cannot be written: probed with a
+    temporary file, since mode bits do not tell (root writes through them; a
+    read-only mount refuses everyone)."""
+    if not is_store(root):
+        return False
+    probe = root / f".kvlc-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e.errno in READ_ONLY_ERRNOS
+    os.close(fd)
+    probe.unlink()
+    return False
 
 
 def read_chunk_file(
@@ -79,6 +105,13 @@ class DirectoryBackend:
     permission, full disk, I/O error) is ``BackendUnavailable``. If the
     directory or its layout was deleted, the operation recreates the layout
     and tries once more: the store comes back by itself, empty.
+
+    A store that this process cannot write when it opens it (a read-only
+    mount, or a directory it may only read: a prebuilt store many servers
+    share) is served read-only (``read_only``): chunks are read, nothing is
+    written, leased, marked used or deleted (``put`` writes nothing). Its
+    chunks are taken to stay put: a writer elsewhere that evicts one while it
+    is offered fails that load (see ``kv_load_failure_policy``).
     """
 
     def __init__(self, root: Path, capacity_bytes: int) -> None:
@@ -89,8 +122,10 @@ class DirectoryBackend:
         self._tmp = root / "tmp"
         self._lock_path = root / ".lock"
         self._size_path = root / "size"
-        self._make_layout()
-        self._clean_tmp()
+        self.read_only = _read_only(root)
+        if not self.read_only:
+            self._make_layout()
+            self._clean_tmp()
 
     def _make_layout(self) -> None:
         for d in (self._chunks, self._leases, self._tmp):
@@ -109,6 +144,8 @@ class DirectoryBackend:
             pass  # Part of the layout is gone: recreate it below.
         except OSError as e:
             raise BackendUnavailable(f"store directory {self.root}: {e}") from e
+        if self.read_only:
+            raise BackendUnavailable(f"store directory {self.root} is missing")
         try:
             self._make_layout()
             logger.warning(
@@ -152,13 +189,15 @@ class DirectoryBackend:
 
     # -- chunks -----------------------------------------------------------
 
-    def put(self, key: str, data: Data) -> int:
+    def put(self, key: str, data: Data) -> int | None:
+        if self.read_only:
+            return None
         return self._io(lambda: self._put(key, as_parts(data)))
 
-    def _put(self, key: str, parts: list[memoryview]) -> int:
+    def _put(self, key: str, parts: list[memoryview]) -> int | None:
         path = self._path(key)
         if path.exists():
-            return 0
+            return None
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -195,9 +234,14 @@ class DirectoryBackend:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)
+        self._used(path)
         return data
+
+    def _used(self, path: Path) -> None:
+        """Mark a chunk just read as used (LRU order is mtime)."""
+        if not self.read_only:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
 
     def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
         return self._io(lambda: [self._peek(key, n) for key in keys])
@@ -227,12 +271,12 @@ class DirectoryBackend:
         path = self._path(key)
         head = read_chunk_file(path, head_bytes, into)
         if head is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path)
+            self._used(path)
         return head
 
     def delete(self, key: str) -> None:
-        return self._io(lambda: self._delete(key))
+        if not self.read_only:
+            self._io(lambda: self._delete(key))
 
     def _delete(self, key: str) -> None:
         path = self._path(key)
@@ -274,22 +318,29 @@ class DirectoryBackend:
     # -- leases -----------------------------------------------------------
 
     def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
+        if self.read_only:
+            return self._io(lambda: self._stored_run(keys))
         return self._io(lambda: self._lease(keys, lease_id, ttl_s))
+
+    def _stored_run(self, keys: Sequence[str]) -> int:
+        n = 0
+        for key in keys:
+            if not self._path(key).exists():
+                break
+            n += 1
+        return n
 
     def _lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
         with self._locked():
-            n = 0
-            for key in keys:
-                if not self._path(key).exists():
-                    break
-                n += 1
+            n = self._stored_run(keys)
             if n:
                 body = f"{ttl_s}\n" + "\n".join(keys[:n]) + "\n"
                 (self._leases / lease_id).write_text(body)
             return n
 
     def release(self, keys: Sequence[str], lease_id: str) -> None:
-        return self._io(lambda: self._release(keys, lease_id))
+        if not self.read_only:
+            self._io(lambda: self._release(keys, lease_id))
 
     def _release(self, keys: Sequence[str], lease_id: str) -> None:
         path = self._leases / lease_id

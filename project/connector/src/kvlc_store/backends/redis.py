@@ -23,7 +23,7 @@ local ck = ns .. ':c:' .. key
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 if redis.call('EXISTS', ck) == 1 then
-  return 0
+  return -1
 end
 redis.call('SET', ck, ARGV[2])
 redis.call('ZADD', ns .. ':lru', now, key)
@@ -137,6 +137,7 @@ class RedisBackend:
     """
 
     READ_BATCH = 4
+    read_only = False
 
     def __init__(
         self,
@@ -172,16 +173,17 @@ class RedisBackend:
         ) as e:
             raise BackendUnavailable(f"redis: {e}") from e
 
-    def put(self, key: str, data: Data) -> int:
+    def put(self, key: str, data: Data) -> int | None:
         parts = as_parts(data)
         value = parts[0] if len(parts) == 1 else b"".join(parts)
-        return int(
+        evicted = int(
             self._call(
                 self._put,
                 keys=[self.namespace],
                 args=[key, value, self.capacity_bytes, LOW_WATERMARK],
             )
         )
+        return None if evicted < 0 else evicted
 
     def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
         if not keys:
