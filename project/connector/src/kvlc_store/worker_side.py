@@ -138,7 +138,7 @@ class WorkerSide:
         core, layout = self._core, self.layout
         source: Backend | BufferReader = core.backend if buffer is None else buffer
         if self._device is not None:
-            yield from self._read_batched(block_ids, keys, source, buffer)
+            yield from self._read_batched(block_ids, keys, source, buffer, probe)
             return
         targets = [layout.segments(b) for b in block_ids]
         reads = source.read_into(keys, HEADER_BYTES, targets)
@@ -174,6 +174,7 @@ class WorkerSide:
         keys: Sequence[str],
         source: Backend | BufferReader,
         buffer: BufferReader | None,
+        probe: bool,
     ) -> Iterator[tuple[int, str, bool | None]]:
         """``_read`` for a KV cache off the host: batches of chunks read into
         the host pool and checked there, then copied into their blocks
@@ -202,7 +203,7 @@ class WorkerSide:
                     if head is None or (error is not None and buffer is not None):
                         outcomes.append(None)
                     elif error is not None:
-                        core.bad_chunk(key, error)
+                        core.bad_chunk(key, error, at_load=not probe)
                         outcomes.append(False)
                     else:
                         self._count_loaded(head, buffer)
