@@ -158,6 +158,8 @@ class LeasingConnector(RecordingLegacyConnector):
         req_id = request.request_id
         if req_id in self.open:
             self.violations.append(f"{req_id}: prepare while a lease is open")
+        if request.skip_reading_prefix_cache:
+            self.violations.append(f"{req_id}: prepare of a request that skips the cache")
         num_tokens, load_kv_async = self.answer(request, num_computed_tokens)
         if num_tokens is None:
             self.counts["prepare_none"] += 1
@@ -173,6 +175,8 @@ class LeasingConnector(RecordingLegacyConnector):
         lease = self.open.pop(req_id, None)
         if match.query_result is None:
             self.counts["commit_unprepared"] += 1
+            if request.skip_reading_prefix_cache:
+                self.counts["commit_skipping_cache"] += 1
             if lease is not None or match.num_tokens != 0:
                 self.violations.append(f"{req_id}: commit bypassed an open lease")
             return

@@ -96,7 +96,9 @@ def test_guarantees_hold_over_10000_scheduler_steps(tmp_path: Path) -> None:
         "prepare_none",  # lookup in flight
         "commit",  # admitted with external tokens
         "commit_zero",  # admitted with none
-        "commit_trimmed",  # fewer accepted than offered
+        # Admitted without a prepare: prompt logprobs skip reading the
+        # prefix cache, so nothing is offered (or pinned) for them.
+        "commit_skipping_cache",
         "commit_async",  # asynchronous loads
         "commit_unprepared",  # admitted after an async load, no prepare
         "abort",  # not admitted in the step
