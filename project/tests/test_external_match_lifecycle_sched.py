@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import driver_run
 import pytest
-from workbench.hf_fixture import write_hf_cache
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -42,23 +41,9 @@ TRACE_RUNS = [
 
 
 def run_driver(python: str, config: dict[str, Any], hf_home: Path) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "HF_HOME": str(write_hf_cache(hf_home)),
-        "HF_HUB_OFFLINE": "1",
-    }
-    result = subprocess.run(
-        [python, str(DRIVER), json.dumps(config)],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    parsed: dict[str, Any] = driver_run.run_driver(
+        python, DRIVER, [json.dumps(config)], hf_home
     )
-    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stderr[-4000:]
-    parsed: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
     return parsed
 
 

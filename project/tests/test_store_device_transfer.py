@@ -12,9 +12,6 @@ request's blocks until its saves are written (``get_finished``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -22,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+import driver_run
 import pytest
 import torch
 from kvlc_store.backends import BackendUnavailable, Data, DirectoryBackend
@@ -34,7 +32,6 @@ from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.transfer import BlockLayout
 from kvlc_store.worker_side import WorkerSide
 from redis_server import running_redis
-from workbench.hf_fixture import write_hf_cache
 
 NB = 7  # blocks
 BS = 4  # tokens per block
@@ -446,22 +443,9 @@ def test_vllm_keeps_a_finished_requests_blocks_until_its_saves_are_written(
     request in ``get_finished``, which it does only once both chunks are
     stored."""
     driver = Path(__file__).resolve().parent / "store_delay_free_driver.py"
-    env = {
-        **os.environ,
-        "HF_HOME": str(write_hf_cache(tmp_path / "hf")),
-        "HF_HUB_OFFLINE": "1",
-    }
-    result = subprocess.run(
-        [sys.executable, str(driver), str(tmp_path / "stores")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    modes = driver_run.run_driver(
+        sys.executable, driver, [str(tmp_path / "stores")], tmp_path / "hf"
     )
-    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stderr[-4000:]
-    modes = json.loads(lines[-1].removeprefix("RESULT "))
 
     sync = modes["sync"]["steps"]
     assert sync[0]["saves"] == [[1, None], [2, None]]
