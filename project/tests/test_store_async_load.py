@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvlc_store.async_load import AsyncLoads
 from kvlc_store.backends import DirectoryBackend, new_lease_id
 from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
@@ -54,6 +55,21 @@ def async_load(req_id: str, lease: str, targets: list[int], sources: list[int]):
             )
         ]
     )
+
+
+def test_load_thread_runs_on_the_kv_caches_device(monkeypatch: pytest.MonkeyPatch):
+    """A new thread's current CUDA device is 0: the load thread sets the KV
+    cache's own, or on TP rank k it would open a context on GPU 0."""
+    devices: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    loads = AsyncLoads(lambda spec, buffer_dir, cancelled: set(), torch.device("cuda", 3))
+    loads.submit(LoadSpec("r", None, [], [], load_async=True), None)
+    deadline = time.monotonic() + 30
+    while not loads.take()[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    loads.close()
+    assert devices == [torch.device("cuda", 3)]
 
 
 def wait_finished(worker: WorkerSide, finished: set[str] | None = None) -> set[str]:

@@ -26,7 +26,7 @@ from kvlc_store.backends import BackendUnavailable, Data, DirectoryBackend
 from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore, make_backend
-from kvlc_store.device_transfer import DeviceTransfer, HostPool
+from kvlc_store.device_transfer import DeviceTransfer, HostPool, host_copy_batch
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.transfer import BlockLayout
@@ -107,13 +107,16 @@ def raw(kv: dict[str, torch.Tensor]) -> list[bytes]:
     ]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["pointers", "staged"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gather_is_the_per_block_payload(layout: str, dtype: torch.dtype, device: str):
+def test_gather_is_the_per_block_payload(
+    layout: str, dtype: torch.dtype, device: str, staged: bool
+):
     kv = caches(layout, dtype, 1, device)
     per_block = BlockLayout(kv, NB)
-    transfer = DeviceTransfer(per_block, 64 * per_block.block_bytes)
+    transfer = DeviceTransfer(per_block, 64 * per_block.block_bytes, staged=staged)
     assert transfer.block_bytes == per_block.block_bytes
     ids = [5, 0, 3, 6]  # scattered, out of order
     region = transfer.pool.take(len(ids))
@@ -123,11 +126,12 @@ def test_gather_is_the_per_block_payload(layout: str, dtype: torch.dtype, device
         assert b"".join(parts) == bytes(per_block.staged(b).numpy())
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["pointers", "staged"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_scatter_writes_what_unstage_writes(
-    layout: str, dtype: torch.dtype, device: str
+    layout: str, dtype: torch.dtype, device: str, staged: bool
 ):
     """Payloads of other blocks scattered into blocks 1, 4 and 2 (one of a
     batch's rows left out, as a chunk that failed its checks is): the KV
@@ -142,7 +146,9 @@ def test_scatter_writes_what_unstage_writes(
         reference.unstage(b, payloads[row])
 
     kv = caches(layout, dtype, 1, device)
-    transfer = DeviceTransfer(BlockLayout(kv, NB), 64 * reference.block_bytes)
+    transfer = DeviceTransfer(
+        BlockLayout(kv, NB), 64 * reference.block_bytes, staged=staged
+    )
     region = transfer.pool.take(len(payloads))
     for j, payload in enumerate(payloads):
         data = memoryview(payload.numpy())
@@ -152,6 +158,49 @@ def test_scatter_writes_what_unstage_writes(
             offset += part.nbytes
     transfer.wait(transfer.scatter(targets, rows, region))
     assert raw(kv) == raw(expected)
+
+
+@pytest.mark.parametrize(
+    ("layout", "runs_per_layer"),
+    [
+        ("kv-split-blocks-dim1", 2),
+        ("blocks-dim0-kv-split-dim1", 1),
+        ("mla-blocks-dim0", 1),
+        ("cpu-blocks-times-tokens", 2),
+        ("hnd-strided", None),
+    ],
+)
+def test_one_batched_copy_per_batch_and_direction(
+    layout: str, runs_per_layer: int | None
+):
+    """A batch is one call of the batched copy (vLLM's ``swap_blocks_batch``
+    on CUDA), one pointer copy per contiguous run of each block in each
+    layer; the source is read in any order only for loads (nothing writes
+    the pinned pool), never for saves (the forward writes the KV cache). A
+    layout whose payload order is not its memory order goes through
+    staging instead and makes no such call."""
+    calls: list[tuple[int, bool]] = []
+
+    def recording(
+        src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, any_order: bool
+    ) -> None:
+        assert src.dtype == dst.dtype == sizes.dtype == torch.int64
+        assert src.device.type == dst.device.type == sizes.device.type == "cpu"
+        calls.append((len(sizes), any_order))
+        host_copy_batch(src, dst, sizes, any_order)
+
+    kv = caches(layout, torch.float16, 1)
+    transfer = DeviceTransfer(BlockLayout(kv, NB), 64 * 1024, copy_batch=recording)
+    assert transfer.batched_copies == (runs_per_layer is not None)
+    region = transfer.pool.take(3)
+    transfer.gather([4, 1, 6], region, None)
+    transfer.scatter([2, 0], [0, 2], region)
+    if runs_per_layer is None:
+        assert calls == []
+    else:
+        layers = len(kv)
+        assert calls == [(3 * layers * runs_per_layer, False),
+                         (2 * layers * runs_per_layer, True)]  # fmt: skip
 
 
 def test_pool_hands_out_runs_up_to_half_and_merges_them_back():
@@ -257,7 +306,8 @@ def round_trip(core: StoreCore, worker: WorkerSide, kv: dict[str, torch.Tensor])
 
     worker.start_load(
         StoreMetadata(
-            loads=[LoadSpec("q", None, [6, 4, 5], [[key(0)], [key(2)], [key(3)]])]
+            loads=[LoadSpec("q", None, [6, 4, 5], [[key(0)], [key(2)], [key(3)]])],
+            sync_loads_first=True,
         )
     )
     assert worker.take_load_errors() == set()
@@ -313,7 +363,8 @@ def test_damaged_and_missing_chunks_in_a_batch(tmp_path: Path):
     before = payloads(kv, [3, 4, 5])
     worker.start_load(
         StoreMetadata(
-            loads=[LoadSpec("q", None, [3, 4, 5], [[key(0)], [key(1)], [key(9)]])]
+            loads=[LoadSpec("q", None, [3, 4, 5], [[key(0)], [key(1)], [key(9)]])],
+            sync_loads_first=True,
         )
     )
     assert worker.take_load_errors() == {4, 5}
@@ -422,6 +473,7 @@ def test_scheduler_keeps_the_blocks_of_requests_saved_off_the_forward(
         output = SimpleNamespace(
             scheduled_new_reqs=[new],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            has_sync_kv_loads=True,
             num_scheduled_tokens={"s": 2 * BS + 1},
             preempted_req_ids={"s"},
         )

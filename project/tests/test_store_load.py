@@ -59,7 +59,10 @@ def test_save_then_load_into_other_blocks_is_exact(tmp_path: Path):
     saved = [block(caches, b) for b in (0, 1)]
     worker.save(StoreMetadata(saves=[SaveSpec(0, [key(0)]), SaveSpec(1, [key(1)])]))
     worker.start_load(
-        StoreMetadata(loads=[LoadSpec("r", None, [4, 5], [[key(0)], [key(1)]])])
+        StoreMetadata(
+            loads=[LoadSpec("r", None, [4, 5], [[key(0)], [key(1)]])],
+            sync_loads_first=True,
+        )
     )
     assert worker.take_load_errors() == set()
     for b, before in ((4, saved[0]), (5, saved[1])):
@@ -84,7 +87,10 @@ def test_corruption_found_at_load_is_a_load_error(tmp_path: Path):
     assert core.backend.lease([key(0), key(1)], lease, 60) == 2
 
     worker.start_load(
-        StoreMetadata(loads=[LoadSpec("r", lease, [3, 4], [[key(0)], [key(1)]])])
+        StoreMetadata(
+            loads=[LoadSpec("r", lease, [3, 4], [[key(0)], [key(1)]])],
+            sync_loads_first=True,
+        )
     )
     # Block 4 (the damaged chunk) fails; vLLM recomputes it from there.
     assert worker.take_load_errors() == {4}
@@ -92,6 +98,28 @@ def test_corruption_found_at_load_is_a_load_error(tmp_path: Path):
     assert core.stats.data["load_errors"] == 1
     assert not path.exists()  # deleted: the recompute stores it again
     assert core.backend.get(key(0)) is not None
+
+
+def test_sync_load_in_a_step_not_flagged_for_it_fails_its_blocks(tmp_path: Path):
+    """vLLM starts a step's loads before the forward only when the step has
+    ``has_sync_kv_loads``; a synchronous load without it would be read by
+    the forward before it lands, so its blocks fail (recomputed under
+    ``recompute``) and stay untouched, and its lease is released."""
+    core, worker, caches = make(tmp_path)
+    worker.save(StoreMetadata(saves=[SaveSpec(b, [key(b)]) for b in (0, 1)]))
+    lease = new_lease_id()
+    assert core.backend.lease([key(0), key(1)], lease, 60) == 2
+    before = [block(caches, b) for b in (3, 4)]
+
+    worker.start_load(
+        StoreMetadata(loads=[LoadSpec("r", lease, [3, 4], [[key(0)], [key(1)]])])
+    )
+    assert worker.take_load_errors() == {3, 4}
+    for b, old in zip((3, 4), before, strict=True):
+        assert all(
+            torch.equal(x, y) for x, y in zip(block(caches, b), old, strict=True)
+        )
+    assert list((tmp_path / "store" / "leases").iterdir()) == []
 
 
 def test_kv_cache_off_the_host_goes_through_the_host_pool(tmp_path: Path):
@@ -106,7 +134,11 @@ def test_kv_cache_off_the_host_goes_through_the_host_pool(tmp_path: Path):
     while not worker.finished_saves({"w"}):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    worker.start_load(StoreMetadata(loads=[LoadSpec("r", None, [5], [[key(2)]])]))
+    worker.start_load(
+        StoreMetadata(
+            loads=[LoadSpec("r", None, [5], [[key(2)]])], sync_loads_first=True
+        )
+    )
     assert worker.take_load_errors() == set()
     assert all(torch.equal(x, y) for x, y in zip(block(caches, 5), saved, strict=True))
 

@@ -80,6 +80,7 @@ class Server:
                 for r in scheduled
             ],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            has_sync_kv_loads=True,
             num_scheduled_tokens={r.request_id: 1 for r in scheduled},
         )
         return self.scheduler.build_meta(output)  # type: ignore[arg-type]

@@ -71,6 +71,7 @@ class Server:
         output: Any = SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=0)],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            has_sync_kv_loads=True,
             num_scheduled_tokens={req_id: request.num_tokens},
         )
         meta = self.scheduler.build_meta(output)

@@ -24,6 +24,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
+
 from kvlc_store.core import logger
 from kvlc_store.metadata import LoadSpec
 
@@ -38,8 +40,9 @@ class AsyncLoads:
     thread loads; ``load`` must release the load's lease whatever happens.
     """
 
-    def __init__(self, load: LoadFn) -> None:
+    def __init__(self, load: LoadFn, device: torch.device) -> None:
         self._load = load
+        self._device = device
         self._queue: queue.Queue[tuple[LoadSpec, str | None] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._running: set[str] = set()  # submitted, not yet taken
@@ -82,6 +85,10 @@ class AsyncLoads:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        if self._device.type == "cuda":
+            # A new thread's current device is 0: on every other TP rank its
+            # copies would create a context on GPU 0, outside vLLM's budget.
+            torch.cuda.set_device(self._device)
         while (item := self._queue.get()) is not None:
             spec, buffer_dir = item
             failed = self._run_one(spec, buffer_dir)

@@ -5,39 +5,136 @@ KV cache on a GPU is not host memory, and one small copy per layer per block
 runs at a small fraction of the host link's speed, so blocks move in
 batches, the way vLLM's offloading connectors move them:
 
-- a save gathers a batch of blocks of every layer into a device staging
-  buffer (one ``index_select`` per layer) and copies it to pinned host memory
-  in one copy, on a side stream that waits for the forward that computed the
-  blocks (an event); a thread then writes the chunks from there
-  (``async_save.py``), off the forward's path;
-- a load reads a batch of chunks into pinned host memory, copies it to a
-  device staging buffer in one copy and scatters it into the blocks (one
-  ``index_copy_`` per layer), on the side stream.
+- a save copies a batch of blocks of every layer into pinned host memory, on
+  a side stream that waits for the forward that computed the blocks (an
+  event); a thread then writes the chunks from there (``async_save.py``),
+  off the forward's path;
+- a load reads a batch of chunks into pinned host memory and copies them
+  into their blocks, on the side stream.
+
+Each batch is one call of vLLM's ``swap_blocks_batch`` (``cuMemcpyBatchAsync``,
+what OffloadingConnector moves its blocks with): one pointer copy per
+contiguous run of a block in a layer (two per layer for FlashAttention's
+``[2, num_blocks, ...]``), straight between pinned memory and the KV cache.
+The pointers are computed on the host from the block ids, so nothing waits
+for an index tensor to reach the device, and no device memory is taken
+outside vLLM's ``--gpu-memory-utilization`` budget. A layout whose payload
+order is not its memory order (a permuted, HND-like view: one run per head
+and token) would need thousands of runs per block; it is gathered through a
+device staging buffer instead (``index_select`` / ``index_copy_`` per
+layer), its index tensors sent from pinned memory without a host sync.
 
 In host memory a batch of ``k`` blocks is laid out layer by layer (layer
-``l``'s ``k`` rows together), so each layer's gather or scatter is one op on
-a contiguous buffer. A chunk's payload is its block's row of every layer in
-layer order: the same bytes as the per-block path (``BlockLayout.staged``),
-handed to the backends as a list of buffers (``writev`` / ``preadv``).
+``l``'s ``k`` rows together). A chunk's payload is its block's row of every
+layer in layer order: the same bytes as the per-block path
+(``BlockLayout.staged``), handed to the backends as a list of buffers
+(``writev`` / ``preadv``).
 
-The ops are plain torch: with a KV cache on the CPU (the tests) the same
-code runs with the pool in ordinary memory, no stream and no staging copy.
+With a KV cache on the CPU (the tests) the same pointer lists are executed
+with ``memmove``, in the caller's order, with no stream and no events.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvlc_store.transfer import BlockLayout, bytes_view
+from kvlc_store.transfer import BlockLayout, bytes_view, contiguous_runs
 
 # torch.cuda's Stream and Event constructors are not annotated.
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
 _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
+
+# Above this many runs per block row, a gather through a staging buffer
+# beats one pointer copy per run (FlashAttention: 2, FlashInfer and MLA: 1).
+MAX_RUNS_PER_ROW = 8
+
+# (source pointers, destination pointers, sizes: int64 CPU tensors, the
+# source read in any order) -> the copies queued on the current stream.
+CopyBatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
+
+
+def host_copy_batch(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, any_order: bool
+) -> None:
+    """``swap_blocks_batch`` for host memory on both sides (a KV cache on
+    the CPU): the same pointer lists, copied now."""
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+def cuda_copy_batch(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, any_order: bool
+) -> None:
+    """vLLM's batched copy (``cuMemcpyBatchAsync``) on the current stream."""
+    from vllm import _custom_ops as ops
+
+    ops.swap_blocks_batch(src, dst, sizes, is_src_access_order_any=any_order)
+
+
+@dataclass(frozen=True)
+class _RunTable:
+    """Every contiguous run of a block row, over all layers, as columns.
+
+    Block ``b``'s run ``r`` is at ``device[r] + b * step[r]`` in the KV
+    cache; in a host region of ``n`` blocks, row ``j``'s copy of it is at
+    ``n * layer[r] + j * row[r] + offset[r]`` from the region's start.
+    """
+
+    device: torch.Tensor
+    step: torch.Tensor
+    layer: torch.Tensor
+    row: torch.Tensor
+    offset: torch.Tensor
+    size: torch.Tensor
+
+    @classmethod
+    def of(cls, blocks: Sequence[torch.Tensor]) -> _RunTable | None:
+        """The table of ``blocks`` (``BlockLayout.block_major``), or None if
+        a row has more than ``MAX_RUNS_PER_ROW`` runs."""
+        cols: list[list[int]] = [[], [], [], [], [], []]
+        layer_start = 0
+        for view in blocks:
+            size = view.element_size()
+            runs: list[tuple[int, int]] = []
+            for run in contiguous_runs(view[0]):
+                ptr, nbytes = run.data_ptr(), run.numel() * size
+                if runs and runs[-1][0] + runs[-1][1] == ptr:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + nbytes)
+                else:
+                    runs.append((ptr, nbytes))
+            if len(runs) > MAX_RUNS_PER_ROW:
+                return None
+            row = view[0].numel() * size
+            offset = 0
+            for ptr, nbytes in runs:
+                for col, value in zip(
+                    cols,
+                    (ptr, view.stride(0) * size, layer_start, row, offset, nbytes),
+                    strict=True,
+                ):
+                    col.append(value)
+                offset += nbytes
+            layer_start += row
+        return cls(*(torch.tensor(col, dtype=torch.int64) for col in cols))
+
+    def pointers(
+        self, block_ids: Sequence[int], rows: Sequence[int], region: Region
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(KV cache, host, size) of every run of blocks ``block_ids``, whose
+        copies are the region's rows ``rows``."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)[:, None]
+        js = torch.tensor(rows, dtype=torch.int64)[:, None]
+        device = self.device + ids * self.step
+        host = region.host.data_ptr() + region.count * self.layer
+        host = host + js * self.row + self.offset
+        size = self.size.expand(len(block_ids), -1)
+        return device.reshape(-1), host.reshape(-1), size.reshape(-1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -122,9 +219,19 @@ class DeviceTransfer:
         layout: the worker's KV cache.
         pool_bytes: host memory for batches (``pinned_buffer``), allocated
             now, pinned on CUDA.
+        copy_batch: runs a batch of pointer copies; vLLM's
+            ``swap_blocks_batch`` on CUDA, ``memmove`` on the CPU.
+        staged: gather and scatter through a staging buffer even where
+            pointer copies could run (tests compare the two).
     """
 
-    def __init__(self, layout: BlockLayout, pool_bytes: int) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        pool_bytes: int,
+        copy_batch: CopyBatch | None = None,
+        staged: bool = False,
+    ) -> None:
         self.device = layout.device
         self._blocks = layout.block_major()
         self._row_bytes = [b[0].numel() * b.element_size() for b in self._blocks]
@@ -135,6 +242,15 @@ class DeviceTransfer:
         # Asynchronous host copies only where an event tells when they end.
         self._async_copies = cuda
         self._compute_done: torch.cuda.Event | None = None
+        self._runs = None if staged else _RunTable.of(self._blocks)
+        if copy_batch is None:
+            copy_batch = cuda_copy_batch if cuda else host_copy_batch
+        self._copy_batch = copy_batch
+
+    @property
+    def batched_copies(self) -> bool:
+        """Whether blocks move by pointer copies (else through staging)."""
+        return self._runs is not None
 
     # -- ordering ---------------------------------------------------------
 
@@ -197,6 +313,14 @@ class DeviceTransfer:
             return region.host
         return torch.empty_like(region.host, device=self.device)
 
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        """``ids`` on the device, sent from pinned memory: a tensor built
+        from a list straight on the device would wait for its copy."""
+        index = torch.tensor(ids, dtype=torch.long)
+        if self.device.type == "cpu":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
+
     def gather(
         self,
         block_ids: Sequence[int],
@@ -207,9 +331,15 @@ class DeviceTransfer:
         into ``region``, after ``after`` (the forward that computed them)."""
         assert len(block_ids) == region.count
         with self._side(after):
+            if self._runs is not None:
+                kv, host, size = self._runs.pointers(
+                    block_ids, range(region.count), region
+                )
+                self._copy_batch(kv, host, size, False)
+                return self._done()
             # Allocated on the side stream: reused only after its copies.
             staging = self._staging(region)
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            idx = self._index(block_ids)
             for blocks, out in zip(
                 self._blocks, self._layer_views(staging, region.count), strict=True
             ):
@@ -227,13 +357,19 @@ class DeviceTransfer:
         if not block_ids:
             return None
         with self._side(self._compute_done):
+            if self._runs is not None:
+                kv, host, size = self._runs.pointers(block_ids, rows, region)
+                # Nothing on the device writes the pinned region, so the
+                # source may be read in any order.
+                self._copy_batch(host, kv, size, True)
+                return self._done()
             staging = self._staging(region)
             if staging is not region.host:
                 staging.copy_(region.host, non_blocking=self._async_copies)
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            idx = self._index(block_ids)
             pick = None
             if len(rows) < region.count:
-                pick = torch.tensor(rows, dtype=torch.long, device=self.device)
+                pick = self._index(rows)
             for blocks, src in zip(
                 self._blocks, self._layer_views(staging, region.count), strict=True
             ):

@@ -72,3 +72,6 @@ class StoreMetadata(KVConnectorMetadata):
     # Requests preempted by this step whose saves may be in flight: their
     # blocks are free, so the workers finish those saves first.
     preempted: set[str] = field(default_factory=set)
+    # vLLM's SchedulerOutput.has_sync_kv_loads: the runner starts the loads
+    # before the forward only when it is set.
+    sync_loads_first: bool = False

@@ -218,7 +218,9 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StoreMetadata:
         core, bs = self._core, self._block_size
-        meta = StoreMetadata(loads=self._loads)
+        meta = StoreMetadata(
+            loads=self._loads, sync_loads_first=scheduler_output.has_sync_kv_loads
+        )
         self._loads = []
         loading = {spec.req_id for spec in meta.loads}
         if self.prefetcher is not None:

@@ -21,11 +21,11 @@ import torch
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _contiguous_runs(t: torch.Tensor) -> list[torch.Tensor]:
+def contiguous_runs(t: torch.Tensor) -> list[torch.Tensor]:
     """``t``'s elements in order, as contiguous tensors."""
     if t.is_contiguous():
         return [t]
-    return [run for i in range(t.shape[0]) for run in _contiguous_runs(t[i])]
+    return [run for i in range(t.shape[0]) for run in contiguous_runs(t[i])]
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:
@@ -108,7 +108,7 @@ class BlockLayout:
         return [
             bytes_view(run)
             for view in self._views(block_id)
-            for run in _contiguous_runs(view)
+            for run in contiguous_runs(view)
         ]
 
     def staged(self, block_id: int) -> torch.Tensor:
