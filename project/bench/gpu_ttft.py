@@ -300,6 +300,9 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=480,
                    help="skip a configuration that may not finish by then")  # fmt: skip
     p.add_argument("--config-timeout-s", type=float, default=150)
+    p.add_argument(
+        "--logs", type=Path, help="one log per configuration (default: --out)"
+    )
     p.add_argument("--tiny", action="store_true", help="a 2-layer model, on CPU")
     args = p.parse_args()
     names = [n for n in args.configs.split(",") if n]
@@ -308,6 +311,8 @@ def main() -> int:
             p.error(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
     lengths = [int(x) for x in args.lengths.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.logs or args.out
+    logs.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-ttft-"))
     config = TINY if args.tiny else LLAMA_8B
     model = work / "model"
@@ -331,7 +336,7 @@ def main() -> int:
             "repeats": args.repeats,
             "store": str(work / f"store-{name}"),
         }
-        log = args.out / f"{name}.log"
+        log = logs / f"{name}.log"
         t = time.monotonic()
         try:
             with open(log, "w") as f:
