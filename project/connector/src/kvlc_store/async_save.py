@@ -1,11 +1,14 @@
 """Saves of a KV cache on an accelerator, off the forward's path.
 
 ``wait_for_save`` only records an event after the step's forward and hands
-the step's saves to a thread here. The thread gathers the blocks in batches
-through the host pool (``DeviceTransfer.gather``, on the side stream, after
-that event), two batches in flight of at most a quarter of the pool each,
-and writes each chunk (digest, header, backend put) once its batch is on
-the host, so the next batch's copy overlaps the writes of the one before.
+the step's saves to a thread here. The thread copies the blocks in batches
+into host memory (on the side stream, after that event), two batches in
+flight, and writes each chunk (digest, header, backend put) once its batch
+is on the host, so the next batch's copy overlaps the writes of the one
+before. The blocks go into slots of the host tier (``host_tier.py``), which
+keeps each chunk for later loads whatever the store does with its write; a
+layout that pointer copies cannot move goes through the host pool instead
+(``DeviceTransfer.gather``), batches of at most a quarter of it.
 
 The blocks must keep their KV until gathered. Prompt blocks are not written
 again while their request runs; when it finishes, vLLM keeps its blocks
@@ -33,6 +36,7 @@ import torch
 
 from kvlc_store.core import logger
 from kvlc_store.device_transfer import DeviceTransfer, Region
+from kvlc_store.host_tier import HostTier
 from kvlc_store.metadata import SaveSpec
 from kvlc_store.offload import SavedBlocks
 
@@ -54,9 +58,12 @@ class AsyncSaves:
     ``take_saved``) while the thread writes.
     """
 
-    def __init__(self, transfer: DeviceTransfer, write: WriteFn) -> None:
+    def __init__(
+        self, transfer: DeviceTransfer, write: WriteFn, tier: HostTier | None = None
+    ) -> None:
         self._transfer = transfer
         self._write = write
+        self._tier = tier
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending: collections.Counter[str] = collections.Counter()
@@ -127,8 +134,11 @@ class AsyncSaves:
                     self._finish(save, False)
 
     def _save(self, job: _Job) -> Iterator[bool]:
-        """Gather and write ``job``'s saves; yield each one's outcome in
+        """Copy and write ``job``'s saves; yield each one's outcome in
         order."""
+        if self._tier is not None:
+            yield from self._save_through_tier(job, self._tier)
+            return
         transfer, pool = self._transfer, self._transfer.pool
         in_flight: collections.deque[
             tuple[Region, list[str], torch.cuda.Event | None]
@@ -166,3 +176,42 @@ class AsyncSaves:
             for region, _, event in in_flight:
                 transfer.wait(event)
                 pool.give(region)
+
+    def _save_through_tier(self, job: _Job, tier: HostTier) -> Iterator[bool]:
+        """``_save`` into the host tier's slots: each chunk is kept there once
+        copied, then written to the store from its slot."""
+        transfer = self._transfer
+        in_flight: collections.deque[
+            tuple[list[int], list[str], torch.cuda.Event | None]
+        ] = collections.deque()
+        store_up = True
+        i = 0
+        try:
+            while i < len(job.saves) or in_flight:
+                slots: list[int] = []
+                if i < len(job.saves) and len(in_flight) < 2:
+                    # Wait for a slot only while holding none.
+                    slots = tier.reserve(len(job.saves) - i, wait=not in_flight)
+                if slots:
+                    batch = job.saves[i : i + len(slots)]
+                    event = transfer.save_to(
+                        [s.block_id for s in batch],
+                        [tier.addr(slot) for slot in slots],
+                        job.ready,
+                    )
+                    in_flight.append((slots, job.keys[i : i + len(slots)], event))
+                    i += len(slots)
+                    continue
+                slots, keys, event = in_flight.popleft()
+                try:
+                    transfer.wait(event)
+                    for slot, key in zip(slots, keys, strict=True):
+                        tier.publish(key, slot)
+                        store_up = store_up and self._write(key, [tier.view(slot)])
+                        yield store_up
+                finally:
+                    tier.unpin(slots)
+        finally:
+            for slots, _, event in in_flight:
+                transfer.wait(event)
+                tier.unpin(slots)

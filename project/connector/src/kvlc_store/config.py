@@ -31,6 +31,9 @@ DEFAULT_REDIS_TIMEOUT_S = 2.0
 # Host memory for batched transfers of a KV cache on an accelerator: 64
 # blocks of an 8B model's 2 MiB per batch, two batches in flight.
 DEFAULT_PINNED_BUFFER = 256 * 1024**2
+# The host tier of a GPU worker: a 32k-token prompt of an 8B model is 4 GiB
+# of KV; LMCache keeps 5 GB of local CPU memory per worker by default.
+DEFAULT_HOST_TIER = 4 * 1024**3
 
 _KEYS = {
     "backend": "'directory' (default) or 'redis'",
@@ -54,6 +57,9 @@ _KEYS = {
     "asynchronous KV loads (true/false; default false)",
     "pinned_buffer": "pinned host memory for the batched transfers of a KV "
     "cache on a GPU (bytes or a size like '1GiB'; default 256MiB)",
+    "host_tier": "pinned host memory per GPU worker that keeps recently saved "
+    "and loaded chunks in front of the store (bytes or a size like '8GiB'; "
+    "default 4GiB; 0 turns it off)",
     "model_id": "a name for the model in the store's identity, instead of a "
     "digest of the model directory's files (servers with the same name, "
     "dtype and KV layout share chunks)",
@@ -93,6 +99,7 @@ class StoreConfig:
     prefetch_buffer_bytes: int = 0
     load_async: bool = False
     pinned_buffer_bytes: int = DEFAULT_PINNED_BUFFER
+    host_tier_bytes: int = DEFAULT_HOST_TIER
     model_id: str | None = None
 
 
@@ -229,6 +236,13 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         "block: smaller is raised to one)",
     )
 
+    host_tier = setting(
+        "host_tier",
+        DEFAULT_HOST_TIER,
+        _size,
+        "set a size in bytes or like '8GiB' (0 turns the host tier off)",
+    )
+
     if load_async and not scheduler_lookup:
         bad(
             "load_async",
@@ -313,6 +327,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         prefetch_buffer_bytes=prefetch_buffer,
         load_async=load_async,
         pinned_buffer_bytes=pinned_buffer,
+        host_tier_bytes=host_tier,
         model_id=model_id,
     )
 

@@ -83,7 +83,8 @@ class _RunTable:
 
     Block ``b``'s run ``r`` is at ``device[r] + b * step[r]`` in the KV
     cache; in a host region of ``n`` blocks, row ``j``'s copy of it is at
-    ``n * layer[r] + j * row[r] + offset[r]`` from the region's start.
+    ``n * layer[r] + j * row[r] + offset[r]`` from the region's start; in
+    one chunk's payload, at ``layer[r] + offset[r]``.
     """
 
     device: torch.Tensor
@@ -136,6 +137,18 @@ class _RunTable:
         size = self.size.expand(len(block_ids), -1)
         return device.reshape(-1), host.reshape(-1), size.reshape(-1).contiguous()
 
+    def pointers_at(
+        self, block_ids: Sequence[int], payloads: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(KV cache, host, size) of every run of blocks ``block_ids``,
+        whose payloads start at host addresses ``payloads``."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)[:, None]
+        starts = torch.tensor(payloads, dtype=torch.int64)[:, None]
+        device = self.device + ids * self.step
+        host = starts + self.layer + self.offset
+        size = self.size.expand(len(block_ids), -1)
+        return device.reshape(-1), host.reshape(-1), size.reshape(-1).contiguous()
+
 
 @dataclass(frozen=True)
 class Region:
@@ -160,11 +173,22 @@ class HostPool:
         self.block_bytes = block_bytes
         self.capacity = max(1, total_bytes // block_bytes)
         self.max_run = max(1, self.capacity // 2)
-        self.buffer = torch.empty(
-            self.capacity * block_bytes, dtype=torch.uint8, pin_memory=pin
-        )
+        self._pin = pin
+        self._buffer: torch.Tensor | None = None
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # start, count
         self._cond = threading.Condition()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The pool's memory, allocated at first use: a worker whose blocks
+        move through the host tier never takes any."""
+        if self._buffer is None:
+            self._buffer = torch.empty(
+                self.capacity * self.block_bytes,
+                dtype=torch.uint8,
+                pin_memory=self._pin,
+            )
+        return self._buffer
 
     @property
     def nbytes(self) -> int:
@@ -346,6 +370,35 @@ class DeviceTransfer:
                 torch.index_select(blocks, 0, idx, out=out)
             if staging is not region.host:
                 region.host.copy_(staging, non_blocking=self._async_copies)
+            return self._done()
+
+    def save_to(
+        self,
+        block_ids: Sequence[int],
+        payloads: Sequence[int],
+        after: torch.cuda.Event | None,
+    ) -> torch.cuda.Event | None:
+        """Queue the copy of blocks ``block_ids`` into host memory, each
+        block's payload at its address in ``payloads`` (``HostTier`` slots),
+        after ``after``. Pointer copies only (``batched_copies``)."""
+        assert self._runs is not None
+        with self._side(after):
+            kv, host, size = self._runs.pointers_at(block_ids, payloads)
+            self._copy_batch(kv, host, size, False)
+            return self._done()
+
+    def load_from(
+        self, block_ids: Sequence[int], payloads: Sequence[int]
+    ) -> torch.cuda.Event | None:
+        """Queue the copy of the payloads at host addresses ``payloads``
+        into blocks ``block_ids``, after the work the caller's stream had
+        queued at the last ``mark_compute``. Pointer copies only."""
+        assert self._runs is not None
+        if not block_ids:
+            return None
+        with self._side(self._compute_done):
+            kv, host, size = self._runs.pointers_at(block_ids, payloads)
+            self._copy_batch(host, kv, size, True)
             return self._done()
 
     def scatter(

@@ -43,6 +43,8 @@ COUNTERS: dict[str, str] = {
     "waiting requests.",
     "prefetch_loaded_bytes": "Chunk bytes loaded from the prefetch buffer "
     "instead of the store.",
+    "host_tier_loaded_bytes": "Chunk bytes loaded from the host tier (pinned "
+    "host memory) instead of the store.",
 }
 
 # Worker-side counts come from the step and from the asynchronous-load thread

@@ -41,6 +41,7 @@ from kvlc_store.chunk import (
 )
 from kvlc_store.core import StoreCore, logger
 from kvlc_store.device_transfer import DeviceTransfer, Region
+from kvlc_store.host_tier import HostTier
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.offload import SavedBlocks
 from kvlc_store.prefetch import BufferReader
@@ -80,6 +81,7 @@ class WorkerSide:
         self.saved = SavedBlocks()
         # A KV cache off the host: batched transfers, saves on a thread.
         self._device: DeviceTransfer | None = None
+        self._tier: HostTier | None = None
         self._async_saves: AsyncSaves | None = None
         self._readers: ThreadPoolExecutor | None = None
         # Requests whose blocks vLLM keeps until reported (SaveSpec.req_id),
@@ -97,23 +99,44 @@ class WorkerSide:
             self.start_batched_transfers()
 
     def start_batched_transfers(self) -> None:
-        """Move blocks in batches through the host pool, and save on a
-        thread: ``register`` calls it for a KV cache off the host; tests call
-        it for a host one, to run the same path on CPU tensors."""
-        layout = self.layout
-        self._device = DeviceTransfer(layout, self._core.config.pinned_buffer_bytes)
-        self._async_saves = AsyncSaves(self._device, self._write_chunk)
+        """Move blocks in batches through host memory, and save on a thread:
+        ``register`` calls it for a KV cache off the host; tests call it for
+        a host one, to run the same path on CPU tensors.
+
+        Blocks move through the host tier's slots (``host_tier.py``), or,
+        for a layout that pointer copies cannot move, through the pool of
+        ``pinned_buffer`` in staged batches."""
+        layout, config = self.layout, self._core.config
+        self._device = device = DeviceTransfer(layout, config.pinned_buffer_bytes)
+        pinned = "pinned" if layout.device.type == "cuda" else "pageable"
+        if device.batched_copies:
+            self._tier = HostTier(
+                config.host_tier_bytes or config.pinned_buffer_bytes,
+                device.block_bytes,
+                pin=layout.device.type == "cuda",
+                cache=config.host_tier_bytes > 0,
+            )
+            how = (
+                f"a host tier of {self._tier.nbytes / 2**30:.2f} GiB of {pinned} "
+                f"memory ({self._tier.capacity} chunks of "
+                f"{device.block_bytes / 2**20:.2f} MiB; host_tier)"
+                if self._tier.cache
+                else f"{self._tier.nbytes / 2**20:.1f} MiB of {pinned} memory "
+                "(pinned_buffer; host_tier 0: no chunk kept)"
+            )
+        else:
+            how = (
+                f"{device.pool.nbytes / 2**20:.1f} MiB of {pinned} memory "
+                "(pinned_buffer), staged: this KV layout has too many runs per "
+                "block for pointer copies, so no host tier"
+            )
+        self._async_saves = AsyncSaves(device, self._write_chunk, self._tier)
         self._readers = ThreadPoolExecutor(READ_THREADS, "kvlc-read")
-        pool = self._device.pool
         logger.info(
-            "StoreConnector: KV cache on %s: batched transfers through %.1f MiB "
-            "of %s host memory (pinned_buffer; %d blocks of %.2f MiB), saves "
-            "on a thread",
+            "StoreConnector: KV cache on %s: batched transfers through %s, "
+            "saves on a thread",
             layout.device,
-            pool.nbytes / 2**20,
-            "pinned" if layout.device.type == "cuda" else "pageable",
-            pool.capacity,
-            pool.block_bytes / 2**20,
+            how,
         )
 
     @property
@@ -138,6 +161,9 @@ class WorkerSide:
         lookup, where a damaged chunk is a miss, not a load error."""
         core, layout = self._core, self.layout
         source: Backend | BufferReader = core.backend if buffer is None else buffer
+        if self._tier is not None:
+            yield from self._read_tier(block_ids, keys, source, buffer, probe)
+            return
         if self._device is not None:
             yield from self._read_batched(block_ids, keys, source, buffer, probe)
             return
@@ -226,6 +252,92 @@ class WorkerSide:
             for item in held:
                 self._give_back(item)
 
+    def _read_tier(
+        self,
+        block_ids: Sequence[int],
+        keys: Sequence[str],
+        source: Backend | BufferReader,
+        buffer: BufferReader | None,
+        probe: bool,
+    ) -> Iterator[tuple[int, str, bool | None]]:
+        """``_read`` through the host tier: a chunk the tier holds is copied
+        from its slot; the others are read into free slots, checked there,
+        copied, and kept in the tier. In batches of at most a quarter of the
+        tier; the next batch is read while one is copied. Every copy has
+        finished when this generator ends or is closed."""
+        core, transfer, tier = self._core, self._device, self._tier
+        assert transfer is not None and tier is not None
+        held: list[tuple[list[int], torch.cuda.Event | None]] = []
+        i = 0
+        try:
+            while i < len(block_ids):
+                batch_ids = list(block_ids[i : i + tier.max_batch])
+                batch_keys = list(keys[i : i + tier.max_batch])
+                slots = tier.pin_cached(batch_keys)
+                misses = [j for j, slot in enumerate(slots) if slot is None]
+                fresh = tier.reserve(len(misses), wait=not held) if misses else []
+                if len(fresh) < len(misses):
+                    # Cut before the first chunk without a slot; with none
+                    # to read into, copy out a batch held to free its slots.
+                    cut = misses[len(fresh)]
+                    tier.unpin([s for s in slots[cut:] if s is not None])
+                    if cut == 0:
+                        self._give_back_slots(held.pop(0))
+                        continue
+                    batch_ids, batch_keys = batch_ids[:cut], batch_keys[:cut]
+                    slots, misses = slots[:cut], misses[: len(fresh)]
+                fresh_of = dict(zip(misses, fresh, strict=True))
+                batch_slots = [
+                    fresh_of[j] if slot is None else slot
+                    for j, slot in enumerate(slots)
+                ]
+                checked, store_error = self._read_into(
+                    [batch_keys[j] for j in misses],
+                    source,
+                    [[tier.view(slot)] for slot in fresh],
+                )
+                outcomes: list[bool | None] = [True] * len(batch_keys)
+                for j, (head, error) in zip(misses, checked, strict=False):
+                    if head is None or (error is not None and buffer is not None):
+                        outcomes[j] = None
+                    elif error is not None:
+                        core.bad_chunk(batch_keys[j], error, at_load=not probe)
+                        outcomes[j] = False
+                    else:
+                        self._count_loaded(head, buffer)
+                        tier.publish(batch_keys[j], fresh_of[j])
+                # A failed store ends the read at the first chunk it failed.
+                end = len(batch_keys)
+                if len(checked) < len(misses):
+                    end = misses[len(checked)]
+                hits = [j for j in range(end) if j not in fresh_of]
+                core.stats.inc("host_tier_loaded_bytes", len(hits) * tier.block_bytes)
+                core.stats.inc(
+                    "loaded_bytes", len(hits) * (HEADER_BYTES + tier.block_bytes)
+                )
+                rows = [j for j in range(end) if outcomes[j]]
+                event = transfer.load_from(
+                    [batch_ids[j] for j in rows],
+                    [tier.addr(batch_slots[j]) for j in rows],
+                )
+                held.append((batch_slots, event))
+                if len(held) > 1:
+                    self._give_back_slots(held.pop(0))
+                for j in range(end):
+                    yield batch_ids[j], batch_keys[j], outcomes[j]
+                if store_error is not None:
+                    core.unavailable(store_error)
+                    return
+                i += len(batch_keys)
+        finally:
+            for item in held:
+                self._give_back_slots(item)
+
+    def _give_back_slots(self, item: tuple[list[int], torch.cuda.Event | None]) -> None:
+        assert self._device is not None and self._tier is not None
+        self._device.wait(item[1])
+        self._tier.unpin(item[0])
+
     def _give_back(self, item: tuple[Region, torch.cuda.Event | None]) -> None:
         assert self._device is not None
         self._device.wait(item[1])
@@ -234,13 +346,26 @@ class WorkerSide:
     def _read_region(
         self, keys: Sequence[str], source: Backend | BufferReader, region: Region
     ) -> tuple[list[_Checked], BackendUnavailable | None]:
-        """Read ``keys`` into ``region`` and check each (header, length,
+        """``_read_into`` the region's rows."""
+        transfer = self._device
+        assert transfer is not None
+        targets = [transfer.chunk_parts(region, j) for j in range(len(keys))]
+        return self._read_into(keys, source, targets)
+
+    def _read_into(
+        self,
+        keys: Sequence[str],
+        source: Backend | BufferReader,
+        targets: Sequence[Sequence[memoryview]],
+    ) -> tuple[list[_Checked], BackendUnavailable | None]:
+        """Read ``keys`` into ``targets`` and check each (header, length,
         digest), in slices on the reading threads for the directory store;
         the results in key order, up to the store's failure if it failed."""
-        transfer, readers = self._device, self._readers
-        assert transfer is not None and readers is not None
+        readers = self._readers
+        assert readers is not None
+        if not keys:
+            return [], None
         identity = self._core.identity
-        targets = [transfer.chunk_parts(region, j) for j in range(len(keys))]
         threads = READ_THREADS if isinstance(source, DirectoryBackend) else 1
         step = -(-len(keys) // threads)
         slices = [
