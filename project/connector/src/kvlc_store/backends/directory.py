@@ -54,7 +54,7 @@ def _read_only(root: Path) -> bool:
 
 
 def read_chunk_file(
-    path: Path, head_bytes: int, into: Sequence[memoryview]
+    path: str | Path, head_bytes: int, into: Sequence[memoryview]
 ) -> Head | None:
     """Read the chunk file at ``path``: its first ``head_bytes`` bytes, and
     the rest straight into ``into`` when the lengths match (``read_into``'s
@@ -118,6 +118,7 @@ class DirectoryBackend:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self._chunks = root / "chunks"
+        self._chunks_dir = str(self._chunks)
         self._leases = root / "leases"
         self._tmp = root / "tmp"
         self._lock_path = root / ".lock"
@@ -160,10 +161,15 @@ class DirectoryBackend:
     # -- paths ------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
+        return Path(self._file(key))
+
+    def _file(self, key: str) -> str:
+        """``key``'s chunk file. A string: a lookup of a long prompt builds
+        one per block, and four ``Path`` joins cost more than its stat."""
         identity, _, name = key.partition("/")
         if not identity or not name or "/" in name or name.startswith("."):
             raise ValueError(f"malformed chunk key {key!r}")
-        return self._chunks / identity / name[:2] / name
+        return f"{self._chunks_dir}/{identity}/{name[:2]}/{name}"
 
     def _iter_chunk_files(self) -> Iterator[Path]:
         for dirpath, _, filenames in os.walk(self._chunks):
@@ -237,7 +243,7 @@ class DirectoryBackend:
         self._used(path)
         return data
 
-    def _used(self, path: Path) -> None:
+    def _used(self, path: str | Path) -> None:
         """Mark a chunk just read as used (LRU order is mtime)."""
         if not self.read_only:
             with contextlib.suppress(FileNotFoundError):
@@ -248,7 +254,7 @@ class DirectoryBackend:
 
     def _peek(self, key: str, n: int) -> Head | None:
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(self._file(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
@@ -268,7 +274,7 @@ class DirectoryBackend:
     def _read_into(
         self, key: str, head_bytes: int, into: Sequence[memoryview]
     ) -> Head | None:
-        path = self._path(key)
+        path = self._file(key)
         head = read_chunk_file(path, head_bytes, into)
         if head is not None:
             self._used(path)
@@ -325,7 +331,7 @@ class DirectoryBackend:
     def _stored_run(self, keys: Sequence[str]) -> int:
         n = 0
         for key in keys:
-            if not self._path(key).exists():
+            if not os.path.exists(self._file(key)):
                 break
             n += 1
         return n
