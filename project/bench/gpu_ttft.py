@@ -98,22 +98,25 @@ def connector(kind: str, store_dir: str) -> dict[str, Any] | None:
         return None
     if kind == "offload":
         return offloading(16)
-    if kind == "store":
-        return store(store_dir)
+    if kind == "store":  # the host tier holds the hit: one copy over the link
+        return store(store_dir, host_tier="16GiB")
+    if kind == "store-cold":  # no host tier: every hit read from the store
+        return store(store_dir, host_tier=0)
     if kind == "store-async":
-        return store(store_dir, load_async=True)
+        return store(store_dir, host_tier="16GiB", load_async=True)
     if kind == "multi":
-        # vLLM's CPU tier in front of the store: a hit in host memory is
-        # OffloadingConnector's; one only in the store is the store's.
+        # The composition not picked: vLLM's own CPU tier in front of the
+        # store through MultiConnector (a hit in host memory is
+        # OffloadingConnector's, one only in the store the store's).
         return {
             "kv_connector": "MultiConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "connectors": [offloading(16), store(store_dir)]
+                "connectors": [offloading(16), store(store_dir, host_tier=0)]
             },
         }
-    raise ValueError(f"unknown connector {kind!r} (none, offload, store, multi)")
+    raise ValueError(f"unknown connector {kind!r}")
 
 
 # name -> (model runner, connector, CUDA graphs); run in this order.
@@ -121,12 +124,13 @@ CONFIGS: dict[str, tuple[str, str, bool]] = {
     "v2-none": ("v2", "none", False),
     "v2-offload": ("v2", "offload", False),
     "v2-store": ("v2", "store", False),
+    "v2-store-cold": ("v2", "store-cold", False),
     "v2-multi": ("v2", "multi", False),
     "v1-store": ("v1", "store", False),
     "v2-store-graphs": ("v2", "store", True),
+    "v2-store-async": ("v2", "store-async", False),
     "v1-offload": ("v1", "offload", False),
     "v1-store-graphs": ("v1", "store", True),
-    "v2-store-async": ("v2", "store-async", False),
 }
 
 
