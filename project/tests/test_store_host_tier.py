@@ -16,11 +16,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from kvlc_store.backends import BackendUnavailable, Head
 from kvlc_store.chunk import HEADER_BYTES
+from kvlc_store.connector import StoreConnector
 from kvlc_store.device_transfer import DeviceTransfer
 from kvlc_store.host_tier import HostTier
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
@@ -40,6 +43,28 @@ from test_store_device_transfer import (
 )
 
 POINTER_LAYOUTS = [name for name in LAYOUTS if name != "hnd-strided"]
+
+
+def test_kv_layout_is_offloading_connectors_and_the_cpu_backends():
+    """Every server on one store moves blocks in one layout (a chunk is a
+    block as the connector sees it): the one OffloadingConnector asks for,
+    so MultiConnector can put vLLM's CPU tier in front of the store, and the
+    only one vLLM's CPU attention has."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    config: Any = SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None)
+    )
+    layout = StoreConnector.get_required_kvcache_layout(config)
+    assert layout is not None
+    assert layout == OffloadingConnector.get_required_kvcache_layout(config)
+    assert KVCacheLayout[layout] in (
+        CPUAttentionBackend.supported_kv_cache_layouts() or ()
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

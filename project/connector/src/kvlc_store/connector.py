@@ -189,6 +189,18 @@ class StoreConnector(KVConnectorBase_V1):
         return StoreConnectorStats(data=dict(data or {}))
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """``LBHNC``, the layout OffloadingConnector asks for and vLLM's CPU
+        attention's only one: a chunk is a block of each layer in the layout
+        the connector sees, so every server sharing a store must have the
+        same one, and in it a block of a layer is one or two contiguous runs
+        that move by pointer copies through the host tier. Under the layout
+        vLLM picks by itself on an H200 (FlashAttention 3, Model Runner V2)
+        a block had more runs than that, and moved through staging with no
+        host tier."""
+        return "LBHNC"
+
+    @classmethod
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
