@@ -113,7 +113,7 @@ def test_read_errors_are_unavailable(
     assert bytes(target) == DATA[10:]
 
 
-@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES])
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=errno.errorcode.get)
 def test_open_errors_are_unavailable_not_a_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
 ):
@@ -226,7 +226,9 @@ def test_failing_store_is_skipped_with_growing_waits(
     assert conn.usable() and len(lines) == 5
 
 
-@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.EPERM])
+@pytest.mark.parametrize(
+    "err", [errno.EROFS, errno.EACCES, errno.EPERM], ids=errno.errorcode.get
+)
 def test_read_only_store_is_read_and_never_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
 ):
