@@ -64,14 +64,14 @@ def store(
 @pytest.mark.parametrize(
     "stored, num_tokens, computed, hit",
     [
-        ([0, 1], 4 * BLOCK + 1, 0, 2 * BLOCK),
-        ([0, 1, 3], 4 * BLOCK + 1, 0, 2 * BLOCK),  # a gap ends the hit
-        ([0, 1, 2, 3], 4 * BLOCK + 1, 0, 4 * BLOCK),
+        pytest.param([0, 1], 4 * BLOCK + 1, 0, 2 * BLOCK, id="two-of-four"),
+        pytest.param([0, 1, 3], 4 * BLOCK + 1, 0, 2 * BLOCK, id="a-gap-ends-it"),
+        pytest.param([0, 1, 2, 3], 4 * BLOCK + 1, 0, 4 * BLOCK, id="all"),
         # A prompt of whole blocks: its last token is always computed.
-        ([0, 1, 2, 3], 4 * BLOCK, 0, 4 * BLOCK - 1),
+        pytest.param([0, 1, 2, 3], 4 * BLOCK, 0, 4 * BLOCK - 1, id="whole-blocks"),
         # After a computed prefix (the local prefix cache): the rest.
-        ([0, 1, 2], 4 * BLOCK + 1, BLOCK, 2 * BLOCK),
-        ([1, 2], 4 * BLOCK + 1, 0, 0),
+        pytest.param([0, 1, 2], 4 * BLOCK + 1, BLOCK, 2 * BLOCK, id="after-prefix"),
+        pytest.param([1, 2], 4 * BLOCK + 1, 0, 0, id="first-missing"),
     ],
 )
 def test_offer_is_the_stored_run_after_the_computed_prefix(
@@ -117,7 +117,9 @@ def _not_a_chunk(chunk: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "damage", [_truncated, _foreign, _header_bit_flip, _not_a_chunk], ids=str
+    "damage",
+    [_truncated, _foreign, _header_bit_flip, _not_a_chunk],
+    ids=lambda damage: damage.__name__.strip("_"),
 )
 def test_damaged_chunk_found_by_the_lookup_is_a_miss(tmp_path: Path, damage):
     """A chunk whose header or length is wrong ends the offer before its
