@@ -101,8 +101,8 @@ MUTATIONS = [
     Mutation(
         "lookup-ignores-damaged-header",
         "scheduler_side.py",
-        "                core.bad_chunk(key, e)\n                good = min(good, block)\n",
-        "                core.bad_chunk(key, e)\n",
+        "core.bad_chunk(key, e)\n                good = min(good, block)\n",
+        "core.bad_chunk(key, e)\n",
         "test_store_lookup.py",
     ),
     Mutation(

@@ -117,7 +117,11 @@ def test_hub_models_are_named_by_id_and_revision(tmp_path: Path):
         # A hybrid model's second group (sliding window), or one layer less.
         {"groups": [*ONE_GROUP, (["l2"], "SlidingWindowSpec(sliding_window=128)")]},
         {"groups": [(["l0"], ONE_GROUP[0][1])]},
-        {"groups": [(["l0", "l1"], "FullAttentionSpec(block_size=16, num_kv_heads=4)")]},
+        {
+            "groups": [
+                (["l0", "l1"], "FullAttentionSpec(block_size=16, num_kv_heads=4)")
+            ]
+        },
     ],
     ids=lambda setup: next(iter(setup)),
 )

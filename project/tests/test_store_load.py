@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from kvlc_store.backends import directory
 from kvlc_store import core as core_module
-from kvlc_store.backends import DirectoryBackend, new_lease_id
+from kvlc_store.backends import DirectoryBackend, directory, new_lease_id
 from kvlc_store.chunk import FORMAT_VERSION, HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore, store_identity
@@ -125,7 +124,9 @@ def test_store_failing_mid_load_loads_the_blocks_before_it(
     if path == "batched":
         worker.start_batched_transfers()
     saved = [block(caches, b) for b in range(4)]
-    worker.save(StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id="s") for b in range(4)]))
+    worker.save(
+        StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id="s") for b in range(4)])
+    )
     worker.finished_saves({"s"})
     deadline = time.monotonic() + 30
     while core.stats.data.get("stored_chunks", 0) < 4:
