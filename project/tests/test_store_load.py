@@ -105,76 +105,6 @@ def test_corruption_found_at_load_is_a_load_error(tmp_path: Path):
     assert core.backend.get(key(0)) is not None
 
 
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-@pytest.mark.parametrize("path", ["host", "batched"])
-@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=errno.errorcode.get)
-def test_store_failing_mid_load_loads_the_blocks_before_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, err: int
-):
-    """The store fails on the second of four chunks (it cannot open that
-    file): the first block is loaded, the other three are load errors and
-    keep what they held (vLLM recomputes them), the failure is counted
-    (``store_errors``) and the store backed off from, nothing is taken for
-    a damaged chunk. ``batched``: the path of a KV cache on an accelerator
-    (chunks read into the host pool by several threads, then copied)."""
-    core, worker, caches = make(tmp_path)
-    if path == "batched":
-        worker.start_batched_transfers()
-    saved = [block(caches, b) for b in range(4)]
-    worker.save(
-        StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id="s") for b in range(4)])
-    )
-    worker.finished_saves({"s"})
-    deadline = time.monotonic() + 30
-    while core.stats.data.get("stored_chunks", 0) < 4:
-        assert time.monotonic() < deadline, "saves never written"
-        time.sleep(0.01)
-    worker.finished_saves(set())
-    real_open = os.open
-
-    def failing(file: Any, flags: int, *args: Any) -> int:
-        if str(file).endswith(f"{1:064x}.0"):
-            raise OSError(err, os.strerror(err))
-        return real_open(file, flags, *args)
-
-    monkeypatch.setattr(directory.os, "open", failing)
-    before = [block(caches, b) for b in (2, 3, 4, 5)]
-    worker.start_load(
-        StoreMetadata(
-            loads=[LoadSpec("r", None, [2, 3, 4, 5], [[key(b)] for b in range(4)])]
-        )
-    )
-    assert worker.take_load_errors() == {3, 4, 5}
-    assert same(block(caches, 2), saved[0])
-    for b, held in zip((3, 4, 5), before[1:], strict=True):
-        assert same(block(caches, b), held)
-    assert core.stats.data["store_errors"] == 1
-    assert core.stats.data["load_errors"] == 3
-    assert "corrupt_chunks" not in core.stats.data
-    assert not core.usable() and not core.usable("write")
-    monkeypatch.undo()
-    assert all(core.backend.get(key(b)) is not None for b in range(4))
-    worker.close()
-
-
-def test_each_tp_rank_loads_its_own_kv(tmp_path: Path):
-    """Two TP ranks save the same block (same tokens, each its own heads)
-    to one store; each loads its own KV back, not the other's."""
-    ranks = [make(tmp_path, rank, tp_size=2) for rank in (0, 1)]
-    # The block's keys, as the scheduler side hands them to every rank.
-    keys = ranks[0][0].keys(bytes([7]) * 32)
-    for _, worker, _ in ranks:
-        worker.save(StoreMetadata(saves=[SaveSpec(0, keys)]))
-    for _, worker, caches in ranks:
-        saved = block(caches, 0)
-        worker.start_load(StoreMetadata(loads=[LoadSpec("r", None, [3], [keys])]))
-        assert worker.take_load_errors() == set()
-        assert same(block(caches, 3), saved)
-
-
 def test_kv_cache_off_the_host_goes_through_the_host_pool(tmp_path: Path):
     """The path of a KV cache on an accelerator, run on host tensors: saves
     gathered into the host pool and written by the save thread, loads read
@@ -216,3 +146,79 @@ def test_chunks_of_another_format_live_under_other_keys(monkeypatch):
         core_module, "IDENTITY_VERSION", core_module.IDENTITY_VERSION - 1
     )
     assert store_identity(config, kv_cache_config, None) != now  # type: ignore[arg-type]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def loading(*loads: LoadSpec) -> StoreMetadata:
+    """The metadata of a step with ``loads``, one that vLLM flagged
+    ``has_sync_kv_loads`` (its runner starts the loads before the forward)."""
+    meta = StoreMetadata(loads=list(loads))
+    meta.sync_loads_first = True
+    return meta
+
+
+@pytest.mark.parametrize("path", ["host", "batched"])
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=errno.errorcode.get)
+def test_store_failing_mid_load_loads_the_blocks_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, err: int
+):
+    """The store fails on the second of four chunks (it cannot open that
+    file): the first block is loaded, the other three are load errors and
+    keep what they held (vLLM recomputes them), the failure is counted
+    (``store_errors``) and the store backed off from, nothing is taken for
+    a damaged chunk. ``batched``: the path of a KV cache on an accelerator
+    (chunks read into the host pool by several threads, then copied)."""
+    core, worker, caches = make(tmp_path)
+    if path == "batched":
+        worker.start_batched_transfers()
+    saved = [block(caches, b) for b in range(4)]
+    worker.save(
+        StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id="s") for b in range(4)])
+    )
+    worker.finished_saves({"s"})
+    deadline = time.monotonic() + 30
+    while core.stats.data.get("stored_chunks", 0) < 4:
+        assert time.monotonic() < deadline, "saves never written"
+        time.sleep(0.01)
+    worker.finished_saves(set())
+    real_open = os.open
+
+    def failing(file: Any, flags: int, *args: Any) -> int:
+        if str(file).endswith(f"{1:064x}.0"):
+            raise OSError(err, os.strerror(err))
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(directory.os, "open", failing)
+    before = [block(caches, b) for b in (2, 3, 4, 5)]
+    worker.start_load(
+        loading(LoadSpec("r", None, [2, 3, 4, 5], [[key(b)] for b in range(4)]))
+    )
+    assert worker.take_load_errors() == {3, 4, 5}
+    assert same(block(caches, 2), saved[0])
+    for b, held in zip((3, 4, 5), before[1:], strict=True):
+        assert same(block(caches, b), held)
+    assert core.stats.data["store_errors"] == 1
+    assert core.stats.data["load_errors"] == 3
+    assert "corrupt_chunks" not in core.stats.data
+    assert not core.usable() and not core.usable("write")
+    monkeypatch.undo()
+    assert all(core.backend.get(key(b)) is not None for b in range(4))
+    worker.close()
+
+
+def test_each_tp_rank_loads_its_own_kv(tmp_path: Path):
+    """Two TP ranks save the same block (same tokens, each its own heads)
+    to one store; each loads its own KV back, not the other's."""
+    ranks = [make(tmp_path, rank, tp_size=2) for rank in (0, 1)]
+    # The block's keys, as the scheduler side hands them to every rank.
+    keys = ranks[0][0].keys(bytes([7]) * 32)
+    for _, worker, _ in ranks:
+        worker.save(StoreMetadata(saves=[SaveSpec(0, keys)]))
+    for _, worker, caches in ranks:
+        saved = block(caches, 0)
+        worker.start_load(loading(LoadSpec("r", None, [3], [keys])))
+        assert worker.take_load_errors() == set()
+        assert same(block(caches, 3), saved)
