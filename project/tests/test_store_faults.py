@@ -113,6 +113,35 @@ def test_read_errors_are_unavailable(
     assert bytes(target) == DATA[10:]
 
 
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=errno.errorcode.get)
+def test_open_errors_are_unavailable_not_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+):
+    """A chunk file that exists but cannot be opened (an I/O error, lost
+    permission) is a store fault like a failed read, not a missing chunk:
+    the caller counts it and backs off instead of computing and saving the
+    block again into a store that cannot serve it."""
+    store = DirectoryBackend(tmp_path, 10**6)
+    store.put(KEY, DATA)
+    real_open = os.open
+
+    def refuse_chunks(path: Any, flags: int, *args: Any) -> int:
+        if str(path).endswith(KEY.partition("/")[2]):
+            raise OSError(err, os.strerror(err))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(directory.os, "open", refuse_chunks)
+    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
+        store.peek([KEY], 10)
+    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
+        list(store.read_into([KEY], 10, [[memoryview(bytearray(990))]]))
+    monkeypatch.undo()
+    target = bytearray(990)
+    assert list(store.read_into([KEY], 10, [[memoryview(target)]])) == [
+        (DATA[:10], len(DATA))
+    ]
+
+
 def test_lock_errors_are_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     store = DirectoryBackend(tmp_path, 10**6)
     store.put(KEY, DATA)
@@ -197,14 +226,18 @@ def test_failing_store_is_skipped_with_growing_waits(
     assert conn.usable() and len(lines) == 5
 
 
+@pytest.mark.parametrize(
+    "err", [errno.EROFS, errno.EACCES, errno.EPERM], ids=errno.errorcode.get
+)
 def test_read_only_store_is_read_and_never_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
 ):
-    """A store this process cannot write (a read-only mount; root passes
-    mode bits, so the refusal is simulated here: test_store_shared_e2e.py
-    mounts one for real) is opened read-only: reads work, nothing is
-    written, leased, marked used or deleted; the settings check accepts it
-    only if it holds a store."""
+    """A store this process cannot write (a read-only mount: EROFS; a
+    directory this user may read but not write: EACCES, or EPERM under a
+    security module; root passes mode bits, so the refusal is simulated
+    here: test_store_shared_e2e.py mounts one for real) is opened read-only:
+    reads work, nothing is written, leased, marked used or deleted; the
+    settings check accepts it only if it holds a store."""
     from kvlc_store import config
 
     DirectoryBackend(tmp_path / "store", 10**6).put(KEY, DATA)
@@ -213,7 +246,7 @@ def test_read_only_store_is_read_and_never_written(
 
     def refuse_writes(path: Any, flags: int, *args: Any) -> int:
         if flags & (os.O_WRONLY | os.O_RDWR):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            raise OSError(err, os.strerror(err))
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(directory.os, "open", refuse_writes)

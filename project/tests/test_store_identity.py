@@ -1,6 +1,7 @@
 """The store's identity: one model is one identity wherever it is mounted
-and however its path is written; another model (other weights) or another
-dtype never is; ``model_id`` names the model instead of its files."""
+and however its path is written; another model (other weights), another
+dtype, quantization, ``hf_overrides``, block size, hash algorithm, TP size or
+KV cache layout never is; ``model_id`` names the model instead of its files."""
 
 from __future__ import annotations
 
@@ -23,22 +24,43 @@ def model_dir(path: Path, weights: bytes = b"\x01" * 4096) -> Path:
     return path
 
 
+ONE_GROUP = [(["l0", "l1"], "FullAttentionSpec(block_size=16, num_kv_heads=8)")]
+
+
 def server(
-    model: str | Path, dtype: str = "bfloat16", model_id: str | None = None
+    model: str | Path,
+    dtype: str = "bfloat16",
+    model_id: str | None = None,
+    *,
+    quantization: str | None = None,
+    hf_overrides: Any = None,
+    block_size: int = 16,
+    hash_algo: str = "sha256",
+    tensor_parallel_size: int = 1,
+    groups: list[tuple[list[str], str]] = ONE_GROUP,
 ) -> str:
+    """The identity of a server of ``model`` with this setup (vLLM's
+    ``--dtype``, ``--quantization``, ``--hf-overrides``, ``--block-size``,
+    ``--prefix-caching-hash-algo``, ``--tensor-parallel-size``; ``groups``:
+    its KV cache groups, layers and spec)."""
     vllm_config: Any = SimpleNamespace(
         model_config=SimpleNamespace(
             model=str(model),
             revision=None,
-            hf_overrides={},
-            quantization=None,
+            hf_overrides=hf_overrides or {},
+            quantization=quantization,
             dtype=dtype,
         ),
-        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        cache_config=SimpleNamespace(
+            block_size=block_size, prefix_caching_hash_algo=hash_algo
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size),
     )
     kv_cache_config: Any = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec="s")]
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=layers, kv_cache_spec=spec)
+            for layers, spec in groups
+        ]
     )
     return store_identity(vllm_config, kv_cache_config, model_id)
 
@@ -82,3 +104,33 @@ def test_model_id_names_the_model_instead_of_its_files(tmp_path: Path):
 def test_hub_models_are_named_by_id_and_revision(tmp_path: Path):
     assert identity.model_identity("org/model", "abc", None) == "hub:org/model@abc"
     assert identity.model_identity("org/model", None, "mine") == "id:mine"
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {"quantization": "fp8"},
+        {"hf_overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
+        {"block_size": 32},
+        {"hash_algo": "sha256_cbor"},
+        {"tensor_parallel_size": 2},
+        # A hybrid model's second group (sliding window), or one layer less.
+        {"groups": [*ONE_GROUP, (["l2"], "SlidingWindowSpec(sliding_window=128)")]},
+        {"groups": [(["l0"], ONE_GROUP[0][1])]},
+        {
+            "groups": [
+                (["l0", "l1"], "FullAttentionSpec(block_size=16, num_kv_heads=4)")
+            ]
+        },
+    ],
+    ids=lambda setup: next(iter(setup)),
+)
+def test_same_checkpoint_with_other_kv_never_matches(tmp_path: Path, setup):
+    """Two servers of one checkpoint whose KV differs (one quantized with
+    fp8, one with a longer context through ``hf_overrides``, another block
+    size or TP size, another KV cache layout) never share chunks, whether
+    the model is named by its files or by ``model_id``."""
+    model = model_dir(tmp_path / "m")
+    assert server(model, **setup) != server(model)
+    assert server(model, model_id="x", **setup) != server(model, model_id="x")
+    assert server(model, **setup) == server(model, **setup)

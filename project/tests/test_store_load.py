@@ -1,18 +1,25 @@
 """StoreConnector's worker side over a real KV tensor and a real store,
 without an engine: a load reads each chunk once, straight into the KV cache,
 and a chunk damaged after the lookup checked its header fails at load, is
-deleted and reported as a load error (vLLM then recomputes the block).
+deleted and reported as a load error (vLLM then recomputes the block); a
+store that fails mid-load (host path and the batched path of a KV cache on
+an accelerator) loads the blocks before the failure, counts it and backs
+off; each TP rank loads its own KV.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import torch
 from kvlc_store import core as core_module
-from kvlc_store.backends import DirectoryBackend, new_lease_id
+from kvlc_store.backends import DirectoryBackend, directory, new_lease_id
 from kvlc_store.chunk import FORMAT_VERSION, HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore, store_identity
@@ -25,10 +32,10 @@ NUM_BLOCKS = 6
 BLOCK = 4
 
 
-def kv_caches() -> dict[str, torch.Tensor]:
+def kv_caches(seed: int = 0) -> dict[str, torch.Tensor]:
     """Two layers in the ``[2, num_blocks * block, heads, dim]`` layout (K
     and V apart, as vLLM's CPU backend has them), random bf16 content."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     return {
         f"layer.{i}": torch.randn(2, NUM_BLOCKS * BLOCK, 2, 8, generator=g).to(
             torch.bfloat16
@@ -37,12 +44,16 @@ def kv_caches() -> dict[str, torch.Tensor]:
     }
 
 
-def make(tmp_path: Path) -> tuple[StoreCore, WorkerSide, dict[str, torch.Tensor]]:
-    config = parse_config({"path": str(tmp_path / "store")})
-    core = StoreCore(config, DirectoryBackend(tmp_path / "store", 10**8), IDENT, 1)
+def make(
+    tmp_path: Path, rank: int = 0, tp_size: int = 1
+) -> tuple[StoreCore, WorkerSide, dict[str, torch.Tensor]]:
+    # 64 KiB of host pool for the batched path: 128 of these blocks.
+    config = parse_config({"path": str(tmp_path / "store"), "pinned_buffer": 2**16})
+    store = DirectoryBackend(tmp_path / "store", 10**8)
+    core = StoreCore(config, store, IDENT, tp_size)
     worker = WorkerSide(core, BLOCK)
-    caches = kv_caches()
-    worker.register(caches, NUM_BLOCKS, 0)
+    caches = kv_caches(seed=rank)
+    worker.register(caches, NUM_BLOCKS, rank)
     return core, worker, caches
 
 
@@ -167,3 +178,79 @@ def test_chunks_of_another_format_live_under_other_keys(monkeypatch):
         core_module, "IDENTITY_VERSION", core_module.IDENTITY_VERSION - 1
     )
     assert store_identity(config, kv_cache_config, None) != now  # type: ignore[arg-type]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def loading(*loads: LoadSpec) -> StoreMetadata:
+    """The metadata of a step with ``loads``, one that vLLM flagged
+    ``has_sync_kv_loads`` (its runner starts the loads before the forward)."""
+    meta = StoreMetadata(loads=list(loads))
+    meta.sync_loads_first = True
+    return meta
+
+
+@pytest.mark.parametrize("path", ["host", "batched"])
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=errno.errorcode.get)
+def test_store_failing_mid_load_loads_the_blocks_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, err: int
+):
+    """The store fails on the second of four chunks (it cannot open that
+    file): the first block is loaded, the other three are load errors and
+    keep what they held (vLLM recomputes them), the failure is counted
+    (``store_errors``) and the store backed off from, nothing is taken for
+    a damaged chunk. ``batched``: the path of a KV cache on an accelerator
+    (chunks read into the host pool by several threads, then copied)."""
+    core, worker, caches = make(tmp_path)
+    if path == "batched":
+        worker.start_batched_transfers()
+    saved = [block(caches, b) for b in range(4)]
+    worker.save(
+        StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id="s") for b in range(4)])
+    )
+    worker.finished_saves({"s"})
+    deadline = time.monotonic() + 30
+    while core.stats.data.get("stored_chunks", 0) < 4:
+        assert time.monotonic() < deadline, "saves never written"
+        time.sleep(0.01)
+    worker.finished_saves(set())
+    real_open = os.open
+
+    def failing(file: Any, flags: int, *args: Any) -> int:
+        if str(file).endswith(f"{1:064x}.0"):
+            raise OSError(err, os.strerror(err))
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(directory.os, "open", failing)
+    before = [block(caches, b) for b in (2, 3, 4, 5)]
+    worker.start_load(
+        loading(LoadSpec("r", None, [2, 3, 4, 5], [[key(b)] for b in range(4)]))
+    )
+    assert worker.take_load_errors() == {3, 4, 5}
+    assert same(block(caches, 2), saved[0])
+    for b, held in zip((3, 4, 5), before[1:], strict=True):
+        assert same(block(caches, b), held)
+    assert core.stats.data["store_errors"] == 1
+    assert core.stats.data["load_errors"] == 3
+    assert "corrupt_chunks" not in core.stats.data
+    assert not core.usable() and not core.usable("write")
+    monkeypatch.undo()
+    assert all(core.backend.get(key(b)) is not None for b in range(4))
+    worker.close()
+
+
+def test_each_tp_rank_loads_its_own_kv(tmp_path: Path):
+    """Two TP ranks save the same block (same tokens, each its own heads)
+    to one store; each loads its own KV back, not the other's."""
+    ranks = [make(tmp_path, rank, tp_size=2) for rank in (0, 1)]
+    # The block's keys, as the scheduler side hands them to every rank.
+    keys = ranks[0][0].keys(bytes([7]) * 32)
+    for _, worker, _ in ranks:
+        worker.save(StoreMetadata(saves=[SaveSpec(0, keys)]))
+    for _, worker, caches in ranks:
+        saved = block(caches, 0)
+        worker.start_load(loading(LoadSpec("r", None, [3], [keys])))
+        assert worker.take_load_errors() == set()
+        assert same(block(caches, 3), saved)

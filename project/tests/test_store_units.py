@@ -224,6 +224,34 @@ def test_expired_lease_no_longer_protects(make_backend):
     assert b.get(key(0)) is None
 
 
+def test_lease_lasts_its_ttl_in_seconds(make_backend):
+    """A lease of ``lease_ttl_s`` seconds still protects its chunk well
+    after it was taken (a lookup's lease must outlive the load it plans)."""
+    b, other = make_backend(), make_backend()
+    b.put(key(0), bytes(4000))
+    time.sleep(0.01)
+    assert b.lease([key(0)], new_lease_id(), ttl_s=60) == 1
+    time.sleep(0.2)
+    for i in range(1, 4):
+        other.put(key(i), bytes(4000))
+        time.sleep(0.01)
+    assert b.get(key(0)) is not None
+    assert other.num_bytes() <= CAP
+
+
+def test_redis_lease_expiry_is_lease_ttl_s(redis_server: RedisServer):
+    """On Redis a lease is a key (``<ns>:l:<chunk key>``) that expires
+    ``lease_ttl_s`` after it is taken, read in milliseconds (PTTL)."""
+    import redis
+
+    b = RedisBackend(redis_server.url, f"p{time.monotonic_ns()}", CAP)
+    b.put(key(0), b"chunk")
+    assert b.lease([key(0)], new_lease_id(), ttl_s=60) == 1
+    pttl = redis.Redis.from_url(redis_server.url).pttl(f"{b.namespace}:l:{key(0)}")
+    assert 55_000 < pttl <= 60_000
+    b.close()
+
+
 def test_all_leased_store_may_exceed_cap_but_never_drops_leased(make_backend):
     b = make_backend()
     b.put(key(0), bytes(6000))
@@ -291,6 +319,11 @@ def test_config_unknown_key_names_it_and_suggests(tmp_path: Path):
         ({"path": "P", "capacity": "lots"}, r"\['capacity'\] = 'lots'"),
         ({"path": "P", "capacity": -1}, r"\['capacity'\] = -1"),
         ({"path": "P", "lease_ttl_s": 0}, r"\['lease_ttl_s'\] = 0"),
+        ({"path": "P", "lease_ttl_s": -1}, r"\['lease_ttl_s'\] = -1: set a positive"),
+        ({"path": "P", "lease_ttl_s": "-60"}, r"\['lease_ttl_s'\] = '-60'"),
+        ({"path": "P", "lease_ttl_s": float("inf")}, r"\['lease_ttl_s'\] = inf"),
+        ({"path": "P", "redis_timeout_s": -0.5}, r"\['redis_timeout_s'\] = -0.5"),
+        ({"path": "P", "redis_timeout_s": "1e999"}, r"\['redis_timeout_s'\]"),
         ({"path": "P", "verify_on_lookup": "yes"}, r"\['verify_on_lookup'\]"),
         ({"backend": "redis"}, r"\['redis_url'\] = None: set a URL"),
         ({"backend": "redis", "redis_url": "r", "path": "P"}, r"\['path'\].*remove"),

@@ -1,7 +1,8 @@
 """StoreConnector's worker-side hits (``before_update_states``) are keyed on
 vLLM's block hashes, so they never cross tenants or adapters: a request with
 the same token ids as a stored one but another ``cache_salt`` or LoRA adapter
-gets no hit, while a repeat of the stored request does.
+gets no hit, while a repeat of the stored request does. A hit covers only
+chunks loaded and checked: a damaged one ends it (a miss from there).
 
 Without an engine: real ``vllm.v1.request.Request`` objects hashed by vLLM's
 own block hasher (which folds in ``cache_salt`` and the LoRA adapter), the
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from kvlc_store.backends import DirectoryBackend
+from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import StoreMetadata
@@ -41,11 +43,12 @@ class Server:
     def __init__(self, tmp_path: Path) -> None:
         store = tmp_path / "store"
         core = StoreCore(
-            parse_config({"path": str(store)}),
+            parse_config({"path": str(store), "pinned_buffer": 2**20}),
             DirectoryBackend(store, 10**8),
             "ident0",
             1,
         )
+        self.core = core
         self.block_ids: dict[str, list[int]] = {}
         manager = SimpleNamespace(
             get_block_ids=lambda req_id: (self.block_ids[req_id],)
@@ -120,3 +123,28 @@ def test_same_tokens_other_lora_never_hit(server: Server):
         hits, meta = server.step(request(adapter, cache_salt="tenant-a", lora=lora))
         assert meta.probes, "the worker must have looked the blocks up"
         assert hits == {}
+
+
+@pytest.mark.parametrize("path", ["host", "batched"])
+def test_damaged_chunk_ends_a_worker_side_hit(server: Server, path: str):
+    """A stored chunk whose payload was damaged (the worker reads it whole,
+    so only its digest tells) ends the hit before its block: that block and
+    the ones after it are computed by the step, the chunk is counted and
+    deleted, and nothing is a load error (no request fails for it).
+    ``batched``: the path of a KV cache on an accelerator."""
+    if path == "batched":
+        server.worker.start_batched_transfers()
+    backend = server.core.backend
+    damaged = server.core.keys(request("stored", "tenant-a").block_hashes[1])[0]
+    chunk = bytearray(backend.get(damaged) or b"")
+    chunk[HEADER_BYTES + 5] ^= 0x01
+    backend.delete(damaged)
+    backend.put(damaged, bytes(chunk))
+
+    hits, _ = server.step(request("repeat", cache_salt="tenant-a"))
+    assert hits == {"repeat": BLOCK}
+    assert server.core.stats.data["corrupt_chunks"] == 1
+    assert backend.get(damaged) is None
+    assert server.worker.take_load_errors() == set()
+    assert "load_errors" not in server.core.stats.data
+    server.worker.close()

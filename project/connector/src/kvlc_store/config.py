@@ -12,6 +12,7 @@ configuration before any model loads.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tempfile
@@ -157,7 +158,8 @@ def _positive_float(value: object) -> float | None:
         f = float(value)
     except ValueError:
         return None
-    return f if f > 0 else None
+    # Infinity is no number of seconds: a lease or timeout must end.
+    return f if 0 < f < math.inf else None
 
 
 def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> StoreConfig:

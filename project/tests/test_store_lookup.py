@@ -1,0 +1,154 @@
+"""StoreConnector's scheduler-side lookup without an engine: what it offers
+vLLM for a prompt is exactly the run of blocks after the computed prefix
+that the store holds whole, for every TP rank, and ours. A block past that
+run, a damaged chunk or a rank's missing chunk would be a hit vLLM then
+fails to load (under vLLM's default ``kv_load_failure_policy``, a failed
+request): each ends the offer there instead, as a plain miss.
+
+Real ``vllm.v1.request.Request`` objects hashed by vLLM's block hasher, the
+connector's ``SchedulerSide`` over a real directory store holding real
+chunks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvlc_store.backends import DirectoryBackend
+from kvlc_store.chunk import HEADER_BYTES, encode_chunk
+from kvlc_store.config import parse_config
+from kvlc_store.core import StoreCore
+from kvlc_store.scheduler_side import SchedulerSide
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+BLOCK = 4
+IDENT = "ident0"
+
+
+def make(
+    tmp_path: Path, tp_size: int = 1, verify: bool = True
+) -> tuple[StoreCore, SchedulerSide]:
+    init_none_hash(sha256)
+    store = tmp_path / "store"
+    config = parse_config({"path": str(store), "verify_on_lookup": verify})
+    core = StoreCore(config, DirectoryBackend(store, 10**8), IDENT, tp_size)
+    return core, SchedulerSide(core, BLOCK, worker_hits=False, manager=lambda: None)
+
+
+def request(num_tokens: int, name: str = "r") -> Request:
+    return Request(
+        request_id=name,
+        prompt_token_ids=list(range(100, 100 + num_tokens)),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def store(
+    core: StoreCore, req: Request, blocks: list[int], ranks: tuple[int, ...]
+) -> None:
+    """Store ``req``'s ``blocks`` as each of ``ranks`` would save them."""
+    for b in blocks:
+        keys = core.keys(req.block_hashes[b])
+        for r in ranks:
+            payload = bytes([b, r]) * 64
+            core.backend.put(keys[r], encode_chunk(IDENT, keys[r], payload))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+@pytest.mark.parametrize(
+    "stored, num_tokens, computed, hit",
+    [
+        pytest.param([0, 1], 4 * BLOCK + 1, 0, 2 * BLOCK, id="two-of-four"),
+        pytest.param([0, 1, 3], 4 * BLOCK + 1, 0, 2 * BLOCK, id="a-gap-ends-it"),
+        pytest.param([0, 1, 2, 3], 4 * BLOCK + 1, 0, 4 * BLOCK, id="all"),
+        # A prompt of whole blocks: its last token is always computed.
+        pytest.param([0, 1, 2, 3], 4 * BLOCK, 0, 4 * BLOCK - 1, id="whole-blocks"),
+        # After a computed prefix (the local prefix cache): the rest.
+        pytest.param([0, 1, 2], 4 * BLOCK + 1, BLOCK, 2 * BLOCK, id="after-prefix"),
+        pytest.param([1, 2], 4 * BLOCK + 1, 0, 0, id="first-missing"),
+    ],
+)
+def test_offer_is_the_stored_run_after_the_computed_prefix(
+    tmp_path: Path,
+    stored: list[int],
+    num_tokens: int,
+    computed: int,
+    hit: int,
+    verify: bool,
+):
+    core, scheduler = make(tmp_path, verify=verify)
+    req = request(num_tokens)
+    store(core, req, stored, ranks=(0,))
+    offer = scheduler.offer(req, computed)
+    if hit == 0:
+        assert offer is None
+        return
+    assert offer is not None
+    assert offer.num_tokens == hit
+    assert offer.start_block * BLOCK == computed
+    # Whole blocks are loaded: the last one may hold the prompt's last token.
+    assert offer.num_blocks == -(-hit // BLOCK)
+    assert core.stats.data["lookup_hit_tokens"] == hit
+
+
+def _truncated(chunk: bytes) -> bytes:
+    return chunk[:-1]
+
+
+def _foreign(chunk: bytes) -> bytes:
+    # The same key written by a server of another model or KV layout.
+    return chunk.replace(IDENT.encode(), b"IDENT0", 1)
+
+
+def _header_bit_flip(chunk: bytes) -> bytes:
+    data = bytearray(chunk)
+    data[8] ^= 0x01  # the header's first byte after the magic
+    return bytes(data)
+
+
+def _not_a_chunk(chunk: bytes) -> bytes:
+    return bytes(len(chunk))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_truncated, _foreign, _header_bit_flip, _not_a_chunk],
+    ids=lambda damage: damage.__name__.strip("_"),
+)
+def test_damaged_chunk_found_by_the_lookup_is_a_miss(tmp_path: Path, damage):
+    """A chunk whose header or length is wrong ends the offer before its
+    block; it is counted and deleted (so the request's own save writes it
+    again); the blocks before it are offered."""
+    core, scheduler = make(tmp_path)
+    req = request(4 * BLOCK + 1)
+    store(core, req, [0, 1, 2, 3], ranks=(0,))
+    backend = core.backend
+    key = core.keys(req.block_hashes[1])[0]
+    chunk = backend.get(key)
+    assert chunk is not None and len(chunk) > HEADER_BYTES
+    backend.delete(key)
+    backend.put(key, damage(chunk))
+
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == BLOCK
+    assert core.stats.data["corrupt_chunks"] == 1
+    assert backend.peek([key], HEADER_BYTES) == [None]
+    assert backend.get(core.keys(req.block_hashes[2])[0]) is not None
+
+
+def test_every_tp_rank_must_hold_the_block(tmp_path: Path):
+    """With TP 2 each rank keeps its own chunk of a block: a block is
+    offered only while both ranks' chunks are stored."""
+    core, scheduler = make(tmp_path, tp_size=2)
+    req = request(4 * BLOCK + 1)
+    store(core, req, [0, 1, 2, 3], ranks=(0,))
+    assert scheduler.offer(req, 0) is None
+    store(core, req, [0, 2, 3], ranks=(1,))
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == BLOCK
