@@ -47,8 +47,12 @@ def kv_caches(seed: int = 0) -> dict[str, torch.Tensor]:
 def make(
     tmp_path: Path, rank: int = 0, tp_size: int = 1
 ) -> tuple[StoreCore, WorkerSide, dict[str, torch.Tensor]]:
-    # 64 KiB of host pool for the batched path: 128 of these blocks.
-    config = parse_config({"path": str(tmp_path / "store"), "pinned_buffer": 2**16})
+    # 64 KiB of host memory for the batched path: 128 of these blocks, none
+    # kept (host_tier 0), so every load reads the store
+    # (test_store_host_tier.py has the tier).
+    config = parse_config(
+        {"path": str(tmp_path / "store"), "pinned_buffer": 2**16, "host_tier": 0}
+    )
     store = DirectoryBackend(tmp_path / "store", 10**8)
     core = StoreCore(config, store, IDENT, tp_size)
     worker = WorkerSide(core, BLOCK)
@@ -187,9 +191,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def loading(*loads: LoadSpec) -> StoreMetadata:
     """The metadata of a step with ``loads``, one that vLLM flagged
     ``has_sync_kv_loads`` (its runner starts the loads before the forward)."""
-    meta = StoreMetadata(loads=list(loads))
-    meta.sync_loads_first = True
-    return meta
+    return StoreMetadata(loads=list(loads), sync_loads_first=True)
 
 
 @pytest.mark.parametrize("path", ["host", "batched"])
