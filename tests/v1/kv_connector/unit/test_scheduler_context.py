@@ -304,6 +304,19 @@ def test_connector_cannot_free_a_reference_a_request_holds():
     assert not set(block_ids) & set(_queue_ids(manager.block_pool))
 
 
+def test_deprecated_pool_binding_checks_frees_against_the_blocks_references():
+    """Bound through bind_gpu_block_pool(), a connector may have taken
+    references through the pool itself: its frees are checked against the
+    block's references, as in 0.32.0."""
+    pool = BlockPool(num_gpu_blocks=10, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    context = BlockPoolSchedulerContext(pool, count_references=False)
+    pool.touch([pool.blocks[3]])
+    context.free_blocks([3])
+    assert pool.blocks[3].ref_cnt == 0
+    with pytest.raises(ValueError, match="this context holds 0 of its 0 reference"):
+        context.free_blocks([3])
+
+
 def test_free_touched_blocks_drops_only_this_contexts_references():
     manager = _make_manager()
     context = BlockPoolSchedulerContext(manager.block_pool)

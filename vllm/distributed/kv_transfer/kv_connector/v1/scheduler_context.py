@@ -171,11 +171,17 @@ class BlockPoolSchedulerContext:
 
     Args:
         block_pool: the pool whose blocks connectors see.
+        count_references: check each free against the references this
+            context took (the default). False only for the deprecated
+            bind_gpu_block_pool() path, whose connectors may have taken
+            references through the pool itself: a free is then checked
+            against the block's references, as in 0.32.0.
 
     """
 
-    def __init__(self, block_pool: "BlockPool") -> None:
+    def __init__(self, block_pool: "BlockPool", count_references: bool = True) -> None:
         self.block_pool = block_pool
+        self._count_references = count_references
         self._blocks = block_pool.blocks
         self._free_queue = block_pool.free_block_queue
         self._null_block_id = block_pool.null_block.block_id
@@ -244,12 +250,17 @@ class BlockPoolSchedulerContext:
         touched = self._touched
         if len(set(ids)) == len(ids):
             # Each id once, the common case: checked in bulk.
-            if min(map(touched.__getitem__, ids)) < 1:
+            held = touched.__getitem__ if self._count_references else self._held
+            if min(map(held, ids)) < 1:
                 self._raise_over_free(Counter(ids))
         else:
             self._raise_over_free(Counter(ids))
-        for block_id in ids:
-            touched[block_id] -= 1
+        if self._count_references:
+            for block_id in ids:
+                touched[block_id] -= 1
+        else:
+            for block_id in ids:
+                touched[block_id] = max(touched[block_id] - 1, 0)
         blocks = self._blocks
         self.block_pool.free_blocks([blocks[block_id] for block_id in ids])
 
@@ -257,7 +268,7 @@ class BlockPoolSchedulerContext:
         """Raise for the first id freed more often than this context holds
         it; return if there is none."""
         for block_id, count in frees.items():
-            held = self._touched[block_id]
+            held = self._held(block_id)
             if count > held:
                 raise ValueError(
                     f"free_blocks: block {block_id} is freed {count} time(s) "
@@ -265,6 +276,12 @@ class BlockPoolSchedulerContext:
                     f"{self._blocks[block_id].ref_cnt} reference(s); free only "
                     "blocks you touched, once per touch"
                 )
+
+    def _held(self, block_id: int) -> int:
+        """The references on a block that this context may drop."""
+        if self._count_references:
+            return self._touched[block_id]
+        return self._blocks[block_id].ref_cnt
 
     def free_touched_blocks(self) -> int:
         blocks = self._blocks
