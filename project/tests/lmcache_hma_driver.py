@@ -15,12 +15,13 @@ Run with the python of build/venv-lmcache (``./wb venv --lmcache``):
     not imported ``lmcache`` and prints ``RESULT {...}``: the hybrid KV cache
     manager decision and whether ``lmcache`` got imported making it.
 
-``python lmcache_hma_driver.py hit MODEL_DIR``
+``python lmcache_hma_driver.py repeat MODEL_DIR``
     starts one engine on MODEL_DIR with ``LMCacheConnectorV1``, LMCache's own
     adapter on its local CPU backend and vLLM's prefix cache off, sends one
     prompt twice and prints ``RESULT {...}``: per request the greedy token ids
-    and the prompt tokens served from a cache (the first request computes its
-    prompt and LMCache stores it; the second loads it from LMCache).
+    and the prompt tokens served from a cache (on a GPU the second request
+    loads the prompt from LMCache; LMCache 0.5.6 has no CPU transfer path, so
+    on the CPU build both compute it).
 
 ``python lmcache_hma_driver.py refused MODEL_DIR``
     starts an engine with the connector of lmcache_hma_adapters.py (LMCache's
@@ -274,7 +275,7 @@ def serve(model: str) -> dict[str, Any]:
     }
 
 
-def hit(model: str) -> dict[str, Any]:
+def repeat(model: str) -> dict[str, Any]:
     # LMCache's in-process engine reads its configuration from the
     # environment when the adapter is built: a CPU backend, chunks of one
     # vLLM block.
@@ -347,7 +348,7 @@ def main() -> None:
     modes = {
         "connector": connector_cases,
         "decide": decide,
-        "hit": hit,
+        "repeat": repeat,
         "refused": refused,
         "serve": serve,
     }

@@ -15,6 +15,7 @@ reference counting, iteration) is written down in
 docs/design/kv_connector_scheduler_context.md.
 """
 
+import contextlib
 import operator
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -198,10 +199,8 @@ class BlockPoolSchedulerContext:
         # are); bool, float and str are not.
         index = None
         if not isinstance(block_id, bool):
-            try:
+            with contextlib.suppress(TypeError):
                 index = operator.index(block_id)
-            except TypeError:
-                pass
         if index is None or not 0 <= index < len(self._blocks):
             raise ValueError(
                 f"{what}: unknown block id {block_id!r} of type "
