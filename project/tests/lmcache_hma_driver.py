@@ -15,6 +15,19 @@ Run with the python of build/venv-lmcache (``./wb venv --lmcache``):
     not imported ``lmcache`` and prints ``RESULT {...}``: the hybrid KV cache
     manager decision and whether ``lmcache`` got imported making it.
 
+``python lmcache_hma_driver.py repeat MODEL_DIR``
+    starts one engine on MODEL_DIR with ``LMCacheConnectorV1``, LMCache's own
+    adapter on its local CPU backend and vLLM's prefix cache off, sends one
+    prompt twice and prints ``RESULT {...}``: per request the greedy token ids
+    and the prompt tokens served from a cache (on a GPU the second request
+    loads the prompt from LMCache; LMCache 0.5.6 has no CPU transfer path, so
+    on the CPU build both compute it).
+
+``python lmcache_hma_driver.py refused MODEL_DIR``
+    starts an engine with the connector of lmcache_hma_adapters.py (LMCache's
+    adapter declaring the full attention group alone) and prints
+    ``RESULT {...}``: whether the engine started, and the error it raised.
+
 ``python lmcache_hma_driver.py serve MODEL_DIR``
     starts an engine on MODEL_DIR with ``LMCacheConnectorV1`` and the
     unmodified adapter, generates once and prints ``RESULT {...}``: the hybrid
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from importlib import metadata
 from typing import Any
@@ -261,9 +275,83 @@ def serve(model: str) -> dict[str, Any]:
     }
 
 
+def repeat(model: str) -> dict[str, Any]:
+    # LMCache's in-process engine reads its configuration from the
+    # environment when the adapter is built: a CPU backend, chunks of one
+    # vLLM block.
+    os.environ.update(
+        LMCACHE_LOCAL_CPU="True",
+        LMCACHE_MAX_LOCAL_CPU_SIZE="1",
+        LMCACHE_CHUNK_SIZE=str(BLOCK_SIZE),
+        LMCACHE_TRACK_USAGE="false",
+    )
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        max_model_len=1024,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMCacheConnectorV1", kv_role="kv_both"
+        ),
+        gpu_memory_utilization=0.1,
+    )
+    vllm_config = llm.llm_engine.vllm_config
+    # Four full blocks and a partial one: past the sliding window (128
+    # tokens), so the sliding-window layer attends over part of the prefix.
+    prompt = TokensPrompt(prompt_token_ids=[(7 * i) % 500 + 3 for i in range(600)])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = []
+    for _ in range(2):
+        [output] = llm.generate([prompt], params)
+        requests.append(
+            {
+                "token_ids": list(output.outputs[0].token_ids),
+                "num_cached_tokens": output.num_cached_tokens,
+            }
+        )
+    return {
+        "layer_types": getattr(vllm_config.model_config.hf_config, "layer_types", None),
+        "disable_hybrid_kv_cache_manager": (
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        ),
+        "requests": requests,
+    }
+
+
+def refused(model: str) -> dict[str, Any]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    try:
+        LLM(
+            model=model,
+            max_model_len=1024,
+            block_size=BLOCK_SIZE,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="FullAttentionOnlyLMCacheConnector",
+                kv_connector_module_path="lmcache_hma_adapters",
+                kv_role="kv_both",
+            ),
+            gpu_memory_utilization=0.1,
+        )
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"started": False, "error": f"{type(e).__name__}: {e}"}
+    return {"started": True}
+
+
 def main() -> None:
     mode, model = sys.argv[1:3]
-    modes = {"connector": connector_cases, "decide": decide, "serve": serve}
+    modes = {
+        "connector": connector_cases,
+        "decide": decide,
+        "repeat": repeat,
+        "refused": refused,
+        "serve": serve,
+    }
     result = modes[mode](model)
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -8,17 +8,22 @@ handles one KV cache group and declares no groups):
 
 * today's users are not broken: VllmConfig turns the hybrid KV cache manager
   off for it with vLLM's warning plus the line naming what keeps it on, and
-  nothing raises; an engine serves the demo Llama, and serves the same model
-  made hybrid (a sliding-window layer and a full attention layer);
-* VllmConfig decides that from LMCache's source without importing ``lmcache``
-  (a fresh process: ``lmcache`` is not in ``sys.modules`` afterwards);
+  nothing raises; an engine serves the demo Llama;
+* VllmConfig decides without importing ``lmcache`` (a fresh process:
+  ``lmcache`` is not in ``sys.modules`` afterwards);
 * the connector is built on it for one group, reports group 0 restored and
   forwards group 0's block ids to its ``request_finished``; on two groups
   building it raises before the adapter is built;
-* the real adapter subclassed only to declare the group it selects (as a
-  release with hybrid support does): the hybrid KV cache manager stays on, and
-  with full attention + sliding window the connector forwards the full
-  attention group's block ids and reports that group restored.
+* the real adapter subclassed only to declare the group it selects, the full
+  attention one (as LMCache #3284 did): the hybrid KV cache manager stays on,
+  and on full attention + sliding window building the connector raises,
+  naming the sliding-window group it leaves out;
+* end to end on the demo model made hybrid (a sliding-window layer and a full
+  attention layer): an engine serves a repeated prompt with HMA off and the
+  same greedy tokens twice (LMCache 0.5.6 cannot move KV on the CPU build: its
+  engine logs "No supported cpu connector found" and reports no hits, so no
+  hit is compared with recomputation here); an engine on the adapter that
+  declares the full attention group alone stops at startup with that error.
 
 Without build/venv-lmcache the test is skipped, or fails when
 KVLC_REQUIRE_E2E=1 (CI).
@@ -42,17 +47,26 @@ RECIPE = "./wb venv --lmcache"
 HERE = Path(__file__).resolve().parent
 DEMO = REPO / "project" / "demo"
 TURNED_OFF = "Turning off hybrid kv cache manager"
+ADAPTER = "lmcache.integration.vllm.vllm_v1_adapter.LMCacheConnectorV1Impl"
 KEEPS_ON = (
-    "The LMCache adapter lmcache.integration.vllm.vllm_v1_adapter."
-    "LMCacheConnectorV1Impl declares no KV cache groups, so it handles a single "
-    "one. An LMCache release whose vLLM adapter defines get_kv_cache_group_ids() "
-    "keeps the hybrid KV cache manager on."
+    ", so it handles a single KV cache group. The hybrid KV cache manager stays "
+    "on for an adapter that defines get_kv_cache_group_ids() and is imported "
+    "before the vLLM config is built (e.g. by the module kv_connector_module_path "
+    "names)."
+)
+NOT_IMPORTED = f"The LMCache adapter {ADAPTER} is not imported{KEEPS_ON}"
+DECLARES_NONE = f"The LMCache adapter {ADAPTER} declares no KV cache groups{KEEPS_ON}"
+LEAVES_OUT_SLIDING = (
+    "get_kv_cache_group_ids() returned (1,): it leaves out the sliding_window "
+    "group 0 of this model's KV cache"
 )
 
 
 def _driver(mode: str, model: Path) -> tuple[dict[str, Any], str]:
     """The driver's RESULT and its log."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
+    # The engine processes import lmcache_hma_adapters.py by module name.
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0", PYTHONPATH=path)
     proc = subprocess.run(
         [str(PYTHON), str(HERE / "lmcache_hma_driver.py"), mode, str(model)],
         env=env,
@@ -114,7 +128,7 @@ def test_real_adapter_turns_hybrid_manager_off_without_error(
     assert decision["supports_hma_config"] is False
     assert decision["disable_hybrid_kv_cache_manager"] is True
     assert any(TURNED_OFF in w for w in decision["warnings"])
-    assert KEEPS_ON in decision["warnings"]
+    assert DECLARES_NONE in decision["warnings"]
     assert decision["adapters_built"] == 0
 
 
@@ -150,25 +164,45 @@ def test_single_group_on_real_adapter(result: dict[str, Any]) -> None:
     assert case["finished_result"][0] is False
 
 
-def test_hybrid_config_forwards_the_adapter_selected_group(
+def test_hybrid_config_refuses_the_adapter_leaving_out_sliding_window(
     result: dict[str, Any],
 ) -> None:
     case = result["hybrid_selecting_adapter"]
-    assert "error" not in case, case.get("error")
+    assert LEAVES_OUT_SLIDING in case["error"]
+    assert "--disable-hybrid-kv-cache-manager" in case["error"]
     assert case["adapters_built"] == 1
-    assert case["loaded_group_ids"] == [1]
-    assert case["finished_block_ids"] == [[11, 12]]
-    assert case["finished_result"][0] is False
+    assert case["finished_block_ids"] == []
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "hybrid-llama"])
-def test_engine_serves_with_real_adapter(
-    model: Path, hybrid_model: Path, hybrid: bool
-) -> None:
-    served, log = _driver("serve", hybrid_model if hybrid else model)
+def test_engine_serves_with_real_adapter(model: Path) -> None:
+    served, log = _driver("serve", model)
     assert served["disable_hybrid_kv_cache_manager"] is True
     assert TURNED_OFF in log
-    assert KEEPS_ON in log
+    assert NOT_IMPORTED in log
     assert len(served["token_ids"]) == 8
-    if hybrid:
-        assert served["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_hybrid_model_serves_with_released_lmcache(hybrid_model: Path) -> None:
+    """Released LMCache on full attention + sliding window: HMA off (one KV
+    cache group for every layer), and a repeated prompt gives the same greedy
+    tokens."""
+    served, log = _driver("repeat", hybrid_model)
+    assert served["layer_types"] == ["sliding_attention", "full_attention"]
+    assert served["disable_hybrid_kv_cache_manager"] is True
+    assert TURNED_OFF in log
+    assert NOT_IMPORTED in log
+    first, second = served["requests"]
+    assert len(first["token_ids"]) == 16
+    assert second["token_ids"] == first["token_ids"]
+
+
+def test_adapter_leaving_out_sliding_window_stops_the_engine(
+    hybrid_model: Path,
+) -> None:
+    """The adapter declaring the full attention group alone keeps HMA on,
+    and the engine does not start: one error naming the sliding-window group
+    and the fix."""
+    result, log = _driver("refused", hybrid_model)
+    assert result["started"] is False
+    assert LEAVES_OUT_SLIDING in log
+    assert "--disable-hybrid-kv-cache-manager" in log

@@ -4,6 +4,7 @@
 KVConnectorBase_V1.bind_scheduler_context(), against the real BlockPool,
 KVCacheManager and Scheduler."""
 
+import importlib
 import itertools
 from typing import Any
 from unittest.mock import MagicMock
@@ -19,7 +20,11 @@ from tests.v1.kv_connector.unit.utils import (
     create_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    _IN_TREE_BIND_GPU_BLOCK_POOL,
+    KVConnectorBase_V1,
+    _overrides_bind_gpu_block_pool_out_of_tree,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
     MooncakeStoreConnector,
 )
@@ -263,16 +268,74 @@ def test_null_block_raises_and_changes_nothing():
 
 def test_free_below_zero_raises_and_changes_nothing():
     context, pool = _make_context()
-    with pytest.raises(ValueError, match=r"block 6 has 0 reference\(s\)"):
+    with pytest.raises(
+        ValueError, match=r"block 6 is freed 1 time\(s\) but this context holds 0"
+    ):
         context.free_blocks([6])
     context.touch([6, 7])
     before = _queue_ids(pool)
     with pytest.raises(
-        ValueError, match=r"block 6 has 1 reference\(s\) but is freed 2"
+        ValueError, match=r"block 6 is freed 2 time\(s\) but this context holds 1"
     ):
         context.free_blocks([7, 6, 6])
     assert (pool.blocks[6].ref_cnt, pool.blocks[7].ref_cnt) == (1, 1)
     assert _queue_ids(pool) == before
+    context.free_blocks([7, 6])
+    assert (pool.blocks[6].ref_cnt, pool.blocks[7].ref_cnt) == (0, 0)
+
+
+def test_connector_cannot_free_a_reference_a_request_holds():
+    """free_blocks() drops only references this context took: a request's
+    blocks stay allocated whatever the connector frees."""
+    manager = _make_manager()
+    context = BlockPoolSchedulerContext(manager.block_pool)
+    request = create_request(request_id=1, num_tokens=2 * BLOCK_SIZE)
+    blocks = manager.allocate_slots(request, 2 * BLOCK_SIZE)
+    assert blocks is not None
+    (block_ids,) = blocks.get_block_ids()
+    with pytest.raises(ValueError, match="this context holds 0 of its 1 reference"):
+        context.free_blocks(block_ids)
+    context.touch(block_ids[:1])
+    with pytest.raises(ValueError, match="this context holds 0 of its 1 reference"):
+        context.free_blocks(block_ids)
+    assert [context.get_block(i).ref_cnt for i in block_ids] == [2, 1]
+    context.free_blocks(block_ids[:1])
+    assert [context.get_block(i).ref_cnt for i in block_ids] == [1, 1]
+    assert not set(block_ids) & set(_queue_ids(manager.block_pool))
+
+
+def test_deprecated_pool_binding_checks_frees_against_the_blocks_references():
+    """Bound through bind_gpu_block_pool(), a connector may have taken
+    references through the pool itself: its frees are checked against the
+    block's references, as in 0.32.0."""
+    pool = BlockPool(num_gpu_blocks=10, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    context = BlockPoolSchedulerContext(pool, count_references=False)
+    pool.touch([pool.blocks[3]])
+    context.free_blocks([3])
+    assert pool.blocks[3].ref_cnt == 0
+    with pytest.raises(ValueError, match="this context holds 0 of its 0 reference"):
+        context.free_blocks([3])
+
+
+def test_free_touched_blocks_drops_only_this_contexts_references():
+    manager = _make_manager()
+    context = BlockPoolSchedulerContext(manager.block_pool)
+    other = context.new_context()
+    request = create_request(request_id=1, num_tokens=BLOCK_SIZE)
+    blocks = manager.allocate_slots(request, BLOCK_SIZE)
+    assert blocks is not None
+    ((request_block,),) = blocks.get_block_ids()
+    context.touch([request_block, 5, 5, 6])
+    other.touch([6])
+    assert context.free_touched_blocks() == 4
+    assert context.free_touched_blocks() == 0
+    pool = manager.block_pool
+    assert [pool.blocks[i].ref_cnt for i in (request_block, 5, 6)] == [1, 0, 1]
+    assert 5 in _queue_ids(pool) and 6 not in _queue_ids(pool)
+    with pytest.raises(ValueError, match="this context holds 0"):
+        context.free_blocks([6])
+    other.free_blocks([6])
+    assert pool.blocks[6].ref_cnt == 0
 
 
 # ---------------------------------------------------------------------------
@@ -392,17 +455,27 @@ def test_scheduler_binds_one_context_over_its_own_state():
     assert front not in _ids(context.iter_free_blocks())
 
 
-def test_multi_connector_forwards_the_context():
+def test_multi_connector_binds_each_child_its_own_context():
+    """Each child counts its own references: one cannot free, or reset away,
+    a block another touched."""
     first = object.__new__(ContextRecordingConnector)
     first.bound_contexts = []
     second = object.__new__(ContextRecordingConnector)
     second.bound_contexts = []
     connector = object.__new__(MultiConnector)
     connector._connectors = [first, second]
-    context, _ = _make_context()
+    context, pool = _make_context()
     connector.bind_scheduler_context(context)
-    assert first.bound_contexts == [context]
-    assert second.bound_contexts == [context]
+    [first_context] = first.bound_contexts
+    [second_context] = second.bound_contexts
+    assert first_context is not second_context
+    assert isinstance(first_context, BlockPoolSchedulerContext)
+    assert first_context.block_pool is pool
+    second_context.touch([4])
+    with pytest.raises(ValueError, match="this context holds 0"):
+        first_context.free_blocks([4])
+    assert first_context.free_touched_blocks() == 0
+    assert pool.blocks[4].ref_cnt == 1
 
 
 # ---------------------------------------------------------------------------
@@ -445,6 +518,49 @@ def test_connectors_without_override_get_no_warning(
         r for r in caplog_vllm.records if "bind_gpu_block_pool()" in r.getMessage()
     ]
     assert type(connector).bind_gpu_block_pool is KVConnectorBase_V1.bind_gpu_block_pool
+
+
+class MooncakeStoreSubclass(MooncakeStoreConnector):
+    """An out-of-tree connector built on the Mooncake store connector that
+    does not override bind_gpu_block_pool() itself."""
+
+
+class VllmNamedLegacyConnector(LegacyPoolConnector):
+    """An out-of-tree override in a module whose name starts with "vllm."."""
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.gpu_block_pool = gpu_block_pool
+
+
+VllmNamedLegacyConnector.__module__ = "vllm.plugins.legacy_connector"
+
+
+@pytest.mark.parametrize(
+    "connector_cls,warned",
+    [
+        (LegacyPoolConnector, True),
+        (VllmNamedLegacyConnector, True),
+        (MooncakeStoreSubclass, False),
+        (MooncakeStoreConnector, False),
+        (MultiConnector, False),
+    ],
+)
+def test_deprecation_warning_follows_the_class_that_overrides(
+    connector_cls: type[KVConnectorBase_V1], warned: bool
+):
+    """Told only when the override is out of tree: the in-tree connectors
+    (and their subclasses that do not override again) move with the
+    removal."""
+    assert _overrides_bind_gpu_block_pool_out_of_tree(connector_cls) is warned
+
+
+def test_in_tree_overrides_are_the_listed_ones():
+    """The in-tree exemption names exactly the vLLM connectors that override
+    bind_gpu_block_pool()."""
+    for name in _IN_TREE_BIND_GPU_BLOCK_POOL:
+        module_name, _, class_name = name.rpartition(".")
+        connector_cls = getattr(importlib.import_module(module_name), class_name)
+        assert "bind_gpu_block_pool" in vars(connector_cls)
 
 
 def test_in_tree_override_is_still_called_without_a_warning(

@@ -17,6 +17,7 @@ docs/design/kv_connector_scheduler_context.md.
 
 import contextlib
 import operator
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
@@ -83,10 +84,12 @@ class SchedulerContext(Protocol):
     scheduler-side methods); none may be called from a worker.
 
     Blocks are named by id. Reference counting: touch() takes one reference
-    per id, free_blocks() drops one. A block with references is never
-    allocated to a request or evicted. A connector must drop every reference
-    it took (for example when its transfer finished or the request was
-    aborted).
+    per id, free_blocks() drops one of those. A block with references is
+    never allocated to a request or evicted. The context counts the
+    references its connector took, so a connector can free only those, never
+    one a request holds. A connector must drop every reference it took (for
+    example when its transfer finished or the request was aborted), or all of
+    them at once with free_touched_blocks() when it resets.
     """
 
     def get_block(self, block_id: int) -> KVCacheBlockView:
@@ -103,13 +106,31 @@ class SchedulerContext(Protocol):
         ...
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference on each block, in eviction priority order.
+        """Drop one reference this context took on each block, in eviction
+        priority order.
 
         A block left without references returns to the free queue: cached
         blocks at the most recently used end (evicted last, in the order
         given), uncached ones at the front. Raises ValueError, and changes
-        nothing, for the null block, an unknown id, or more frees than the
-        block has references.
+        nothing, for the null block, an unknown id, or more frees of a block
+        than this context touched it and has not freed it yet.
+        """
+        ...
+
+    def free_touched_blocks(self) -> int:
+        """Drop every reference this context took and has not freed; return
+        how many were dropped.
+
+        For a connector that resets (reset_cache()), once no transfer it
+        started still reads or writes those blocks.
+        """
+        ...
+
+    def new_context(self) -> "SchedulerContext":
+        """A context over the same KV cache that counts its own references.
+
+        For a connector that binds others (MultiConnector binds one per
+        child), so that each frees, and resets, only what it touched.
         """
         ...
 
@@ -143,20 +164,37 @@ class SchedulerContext(Protocol):
         ...
 
 
+_INT = frozenset({int})
+
+
 class BlockPoolSchedulerContext:
     """SchedulerContext over the scheduler's BlockPool.
 
     Args:
         block_pool: the pool whose blocks connectors see.
+        count_references: check each free against the references this
+            context took (the default). False only for the deprecated
+            bind_gpu_block_pool() path, whose connectors may have taken
+            references through the pool itself: a free is then checked
+            against the block's references, as in 0.32.0.
 
     """
 
-    def __init__(self, block_pool: "BlockPool") -> None:
+    def __init__(self, block_pool: "BlockPool", count_references: bool = True) -> None:
         self.block_pool = block_pool
+        self._count_references = count_references
         self._blocks = block_pool.blocks
         self._free_queue = block_pool.free_block_queue
+        self._null_block_id = block_pool.null_block.block_id
+        # References this context took with touch() and has not freed, by
+        # block id (a list: the per-id bookkeeping runs for every id of
+        # every call).
+        self._touched = [0] * len(self._blocks)
 
     def _lookup(self, block_id: int, what: str) -> "KVCacheBlock":
+        return self._blocks[self._index(block_id, what)]
+
+    def _index(self, block_id: int, what: str) -> int:
         # Any integer type is an id (numpy's too, as block tables often
         # are); bool, float and str are not.
         index = None
@@ -169,40 +207,94 @@ class BlockPoolSchedulerContext:
                 f"{type(block_id).__name__}; block ids are integers "
                 f"0..{len(self._blocks) - 1}"
             )
-        return self._blocks[index]
+        return index
 
-    def _lookup_referenceable(
-        self, block_ids: Iterable[int], what: str
-    ) -> list["KVCacheBlock"]:
-        blocks = [self._lookup(block_id, what) for block_id in block_ids]
-        for block in blocks:
-            if block.is_null:
-                raise ValueError(
-                    f"{what}: block {block.block_id} is the null block, which "
-                    "holds no KV and is never referenced"
-                )
-        return blocks
+    def _referenceable_ids(self, block_ids: Iterable[int], what: str) -> list[int]:
+        """The ids as ints, all checked before the caller changes anything.
+
+        Called for every id of every touch() and free_blocks(), which a
+        connector may call each step with thousands of ids: plain ints are
+        checked in bulk, other integer types one by one.
+        """
+        ids = list(block_ids)
+        if not ids:
+            return ids
+        if not _INT.issuperset(map(type, ids)):
+            ids = [self._index(block_id, what) for block_id in ids]
+        elif min(ids) < 0 or max(ids) >= len(self._blocks):
+            for block_id in ids:
+                self._index(block_id, what)
+        if self._null_block_id in ids:
+            raise ValueError(
+                f"{what}: block {self._null_block_id} is the null block, which "
+                "holds no KV and is never referenced"
+            )
+        return ids
 
     def get_block(self, block_id: int) -> KVCacheBlockView:
         return self._lookup(block_id, "get_block")
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        self.block_pool.touch(self._lookup_referenceable(block_ids, "touch"))
+        ids = self._referenceable_ids(block_ids, "touch")
+        blocks = self._blocks
+        self.block_pool.touch([blocks[block_id] for block_id in ids])
+        touched = self._touched
+        for block_id in ids:
+            touched[block_id] += 1
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
-        blocks = self._lookup_referenceable(block_ids, "free_blocks")
-        num_frees: dict[int, int] = {}
-        for block in blocks:
-            num_frees[block.block_id] = num_frees.get(block.block_id, 0) + 1
-        for block_id, count in num_frees.items():
-            ref_cnt = self._blocks[block_id].ref_cnt
-            if count > ref_cnt:
+        ids = self._referenceable_ids(block_ids, "free_blocks")
+        if not ids:
+            return
+        touched = self._touched
+        if len(set(ids)) == len(ids):
+            # Each id once, the common case: checked in bulk.
+            held = touched.__getitem__ if self._count_references else self._held
+            if min(map(held, ids)) < 1:
+                self._raise_over_free(Counter(ids))
+        else:
+            self._raise_over_free(Counter(ids))
+        if self._count_references:
+            for block_id in ids:
+                touched[block_id] -= 1
+        else:
+            for block_id in ids:
+                touched[block_id] = max(touched[block_id] - 1, 0)
+        blocks = self._blocks
+        self.block_pool.free_blocks([blocks[block_id] for block_id in ids])
+
+    def _raise_over_free(self, frees: Counter[int]) -> None:
+        """Raise for the first id freed more often than this context holds
+        it; return if there is none."""
+        for block_id, count in frees.items():
+            held = self._held(block_id)
+            if count > held:
                 raise ValueError(
-                    f"free_blocks: block {block_id} has {ref_cnt} reference(s) "
-                    f"but is freed {count} time(s); free only blocks you "
-                    "touched, once per touch"
+                    f"free_blocks: block {block_id} is freed {count} time(s) "
+                    f"but this context holds {held} of its "
+                    f"{self._blocks[block_id].ref_cnt} reference(s); free only "
+                    "blocks you touched, once per touch"
                 )
-        self.block_pool.free_blocks(blocks)
+
+    def _held(self, block_id: int) -> int:
+        """The references on a block that this context may drop."""
+        if self._count_references:
+            return self._touched[block_id]
+        return self._blocks[block_id].ref_cnt
+
+    def free_touched_blocks(self) -> int:
+        blocks = self._blocks
+        held = [
+            blocks[block_id]
+            for block_id, count in enumerate(self._touched)
+            for _ in range(count)
+        ]
+        self._touched = [0] * len(blocks)
+        self.block_pool.free_blocks(held)
+        return len(held)
+
+    def new_context(self) -> "BlockPoolSchedulerContext":
+        return BlockPoolSchedulerContext(self.block_pool)
 
     def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
         tail = self._free_queue.fake_free_list_tail
