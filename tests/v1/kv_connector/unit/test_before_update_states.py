@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import MagicMock
 
 import pytest
 import torch
@@ -47,15 +48,26 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.worker.kv_connector_model_runner_mixin import (
+    KVConnectorModelRunnerMixin,
+)
 
 MODULE = "tests.v1.kv_connector.unit.test_before_update_states"
 
 
 class HitsConnector(MockKVConnector):
-    """Reports the hits given in its kv_connector_extra_config["hits"]."""
+    """Reports the hits given in its kv_connector_extra_config["hits"] and
+    records what on_external_hits_applied() gives it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.applied_calls: list[dict[str, int]] = []
 
     def before_update_states(self, scheduler_output: SchedulerOutput) -> Any:
         return self._kv_transfer_config.kv_connector_extra_config["hits"]
+
+    def on_external_hits_applied(self, applied: dict[str, int]) -> None:
+        self.applied_calls.append(applied)
 
 
 KVConnectorFactory.register_connector("HitsConnector", MODULE, "HitsConnector")
@@ -166,6 +178,45 @@ def test_default_hook_reports_nothing_and_is_not_called():
 def test_overriding_hook_is_detected():
     connector = _make_connector("HitsConnector", hits={})
     assert connector.uses_before_update_states
+    assert external_hits.uses_worker_external_hits(connector)
+
+
+def test_mock_connector_is_not_a_hook_user(monkeypatch: pytest.MonkeyPatch):
+    """A Mock standing in for a connector (as tests of the model runners use)
+    has a truthy uses_before_update_states; it must get no hook call."""
+    _single_rank(monkeypatch)
+    connector = MagicMock()
+    connector._kv_cache_config = _attention_groups(sliding_window=False)
+    monkeypatch.setattr(
+        "vllm.v1.worker.kv_connector_model_runner_mixin.get_kv_transfer_group",
+        lambda: connector,
+    )
+    runner = KVConnectorModelRunnerMixin()
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    assert runner.apply_kv_connector_external_hits(so) is so
+    assert runner.applied_kv_connector_external_hits is None
+    connector.before_update_states.assert_not_called()
+    connector.on_external_hits_applied.assert_not_called()
+    assert not external_hits.uses_worker_external_hits(connector)
+
+
+def test_connector_learns_the_applied_hits(monkeypatch: pytest.MonkeyPatch):
+    """on_external_hits_applied() gets what was applied, after clamping: not
+    what the hook reported."""
+    _single_rank(monkeypatch)
+    worker = _worker({"a": 99, "b": 30, "gone": 5})
+    so = _scheduler_output(new=[("a", 50, 0, 50), ("b", 100, 0, 64)])
+    worker.apply(so)
+    assert worker.applied == {"a": 49, "b": 30}
+    assert worker.connector.applied_calls == [{"a": 49, "b": 30}]
+    # A step where the hook ran but nothing was applied says so.
+    worker = _worker({"a": 0})
+    worker.apply(so)
+    assert worker.applied is None
+    assert worker.connector.applied_calls == [{}]
+    # No call in a step where the hook is not called.
+    worker.apply(_scheduler_output(cached=[("a", 50, 1, 1)]))
+    assert worker.connector.applied_calls == [{}]
 
 
 def test_apply_advances_computed_and_keeps_last_prompt_token(apply):
@@ -478,7 +529,7 @@ def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> No
         try:
             worker = external_hits.WorkerExternalHits(connector)
             worker.apply(so)
-            results.put((rank, worker.applied))
+            results.put((rank, (worker.applied, connector.applied_calls)))
         except RuntimeError as e:
             results.put((rank, str(e)))
     finally:
@@ -516,7 +567,10 @@ def _run_two_ranks(mode: str) -> dict[int, Any]:
 
 
 def test_ranks_apply_the_minimum():
-    assert _run_two_ranks("ok") == {0: {"b": 20}, 1: {"b": 20}}
+    """Rank 0 holds a and b, rank 1 only part of b: both apply, and tell
+    their connector to load, only the 20 tokens of b they agree on."""
+    agreed = ({"b": 20}, [{"b": 20}])
+    assert _run_two_ranks("ok") == {0: agreed, 1: agreed}
 
 
 @pytest.mark.parametrize("mode", ["raises", "bad_value"])
@@ -559,9 +613,34 @@ def test_multi_connector_first_positive_hit_wins():
     assert mc.before_update_states(_scheduler_output()) == {"a": 3, "b": 7, "c": 2}
 
 
+def test_multi_connector_gives_each_child_the_hits_it_won(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    _single_rank(monkeypatch)
+    mc = _multi_connector(
+        [
+            _child("MockKVConnector"),
+            _child("HitsConnector", hits={"a": 0, "b": 7}),
+            _child("HitsConnector", hits={"a": 3, "b": 9, "c": 2}),
+        ]
+    )
+    mc._kv_cache_config = _attention_groups(sliding_window=False)
+    so = _scheduler_output(
+        new=[("a", 100, 0, 100), ("b", 100, 0, 100), ("c", 100, 0, 100)]
+    )
+    worker = external_hits.WorkerExternalHits(mc)
+    worker.apply(so)
+    assert worker.applied == {"a": 3, "b": 7, "c": 2}
+    first, second = mc._connectors[1:]
+    assert first.applied_calls == [{"b": 7}]
+    assert second.applied_calls == [{"a": 3, "c": 2}]
+
+
 def test_multi_connector_without_hook_users_is_not_called():
     mc = _multi_connector([_child("MockKVConnector"), _child("MockKVConnector")])
     assert not mc.uses_before_update_states
+    mc._connectors.append(MagicMock())
+    assert not MultiConnector.uses_before_update_states.func(mc)
 
 
 def test_multi_connector_names_the_sub_connector_on_bad_hits():
@@ -611,17 +690,27 @@ def test_applied_hits_reach_request_stats(async_scheduling: bool):
     req_id = request.request_id
 
     # Chunked prefill: 64 + 36 tokens; the worker loads 40, then 20 of them.
-    engine_outputs = []
+    outputs = []
     for num_hit_tokens in (40, 20):
-        so = scheduler.schedule()
         output = create_model_runner_output(reqs=[request])
         output.kv_connector_output = KVConnectorOutput(
             applied_external_hits={req_id: num_hit_tokens}
         )
-        if num_hit_tokens == 40:
-            # Partial prefill: nothing sampled yet.
-            output.sampled_token_ids = [[]]
-        engine_outputs.append(scheduler.update_from_output(so, output))
+        outputs.append(output)
+    # Partial prefill: nothing sampled yet.
+    outputs[0].sampled_token_ids = [[]]
+    engine_outputs = []
+    first = scheduler.schedule()
+    if async_scheduling:
+        # As the engine core does with async scheduling: the second chunk
+        # is scheduled while the first step runs, before its output.
+        second = scheduler.schedule()
+        assert second.num_scheduled_tokens == {req_id: 36}
+        engine_outputs.append(scheduler.update_from_output(first, outputs[0]))
+    else:
+        engine_outputs.append(scheduler.update_from_output(first, outputs[0]))
+        second = scheduler.schedule()
+    engine_outputs.append(scheduler.update_from_output(second, outputs[1]))
 
     core_outputs = [
         o for eo in engine_outputs for co in eo.values() for o in co.outputs
