@@ -257,13 +257,8 @@ def test_v2_hook_order_matches_v1(monkeypatch: pytest.MonkeyPatch, req_states):
     so.kv_connector_metadata = SimpleNamespace()
     for _ in range(2):
         kv.pre_forward(kv.before_update_states(so, req_states))
-    assert calls == [
-        "handle_preemptions",
-        "before_update_states",
-        {"a": 99},
-        "bind",
-        "start_load_kv",
-    ] * 2
+    step = ["handle_preemptions", "before_update_states", {"a": 99}, "bind"]
+    assert calls == [*step, "start_load_kv"] * 2
 
 
 def test_v2_runner_applies_hits_before_update_states():

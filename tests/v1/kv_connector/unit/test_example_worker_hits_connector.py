@@ -122,9 +122,7 @@ def _run_step(
     worker.wait_for_save()
     worker.clear_connector_metadata()
     output = create_model_runner_output(reqs=list(scheduler.running))
-    output.kv_connector_output = KVConnectorOutput(
-        applied_external_hits=runner.applied
-    )
+    output.kv_connector_output = KVConnectorOutput(applied_external_hits=runner.applied)
     engine_outputs = scheduler.update_from_output(so, output)
     runner.external_cached_tokens = {
         o.request_id: o.prefill_stats.num_external_cached_tokens
