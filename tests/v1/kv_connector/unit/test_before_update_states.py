@@ -1,39 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tests for KVConnectorBase_V1.before_update_states() and the external hits
-it reports: WorkerExternalHits (eligibility, clamping, copy, rank agreement
-and failures), the MultiConnector forwarding, the report back to the
-scheduler, the failed-load path, and the Model Runner V2 state update."""
+it reports, on one worker: WorkerExternalHits (eligibility, clamping, copy,
+invalid values, the applied hits given back to the connector), hook
+detection, the MultiConnector forwarding and the pipeline-parallel guard.
+The rank agreement, the scheduler side and the model runners have their own
+test_before_update_states_*.py files."""
 
 import copy
-import datetime
-import multiprocessing
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import MagicMock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.v1.kv_connector.unit.utils import (
     MockKVConnector,
-    create_model_runner_output,
     create_request,
     create_scheduler,
     create_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole, external_hits
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
-from vllm.utils.network_utils import get_open_port
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
@@ -46,16 +42,26 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.worker.kv_connector_model_runner_mixin import (
+    KVConnectorModelRunnerMixin,
+)
 
 MODULE = "tests.v1.kv_connector.unit.test_before_update_states"
 
 
 class HitsConnector(MockKVConnector):
-    """Reports the hits given in its kv_connector_extra_config["hits"]."""
+    """Reports the hits given in its kv_connector_extra_config["hits"] and
+    records what on_external_hits_applied() gives it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.applied_calls: list[dict[str, int]] = []
 
     def before_update_states(self, scheduler_output: SchedulerOutput) -> Any:
         return self._kv_transfer_config.kv_connector_extra_config["hits"]
+
+    def on_external_hits_applied(self, applied: dict[str, int]) -> None:
+        self.applied_calls.append(applied)
 
 
 KVConnectorFactory.register_connector("HitsConnector", MODULE, "HitsConnector")
@@ -166,6 +172,45 @@ def test_default_hook_reports_nothing_and_is_not_called():
 def test_overriding_hook_is_detected():
     connector = _make_connector("HitsConnector", hits={})
     assert connector.uses_before_update_states
+    assert external_hits.uses_worker_external_hits(connector)
+
+
+def test_mock_connector_is_not_a_hook_user(monkeypatch: pytest.MonkeyPatch):
+    """A Mock standing in for a connector (as tests of the model runners use)
+    has a truthy uses_before_update_states; it must get no hook call."""
+    _single_rank(monkeypatch)
+    connector = MagicMock()
+    connector._kv_cache_config = _attention_groups(sliding_window=False)
+    monkeypatch.setattr(
+        "vllm.v1.worker.kv_connector_model_runner_mixin.get_kv_transfer_group",
+        lambda: connector,
+    )
+    runner = KVConnectorModelRunnerMixin()
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    assert runner.apply_kv_connector_external_hits(so) is so
+    assert runner.applied_kv_connector_external_hits is None
+    connector.before_update_states.assert_not_called()
+    connector.on_external_hits_applied.assert_not_called()
+    assert not external_hits.uses_worker_external_hits(connector)
+
+
+def test_connector_learns_the_applied_hits(monkeypatch: pytest.MonkeyPatch):
+    """on_external_hits_applied() gets what was applied, after clamping: not
+    what the hook reported."""
+    _single_rank(monkeypatch)
+    worker = _worker({"a": 99, "b": 30, "gone": 5})
+    so = _scheduler_output(new=[("a", 50, 0, 50), ("b", 100, 0, 64)])
+    worker.apply(so)
+    assert worker.applied == {"a": 49, "b": 30}
+    assert worker.connector.applied_calls == [{"a": 49, "b": 30}]
+    # A step where the hook ran but nothing was applied says so.
+    worker = _worker({"a": 0})
+    worker.apply(so)
+    assert worker.applied is None
+    assert worker.connector.applied_calls == [{}]
+    # No call in a step where the hook is not called.
+    worker.apply(_scheduler_output(cached=[("a", 50, 1, 1)]))
+    assert worker.connector.applied_calls == [{}]
 
 
 def test_apply_advances_computed_and_keeps_last_prompt_token(apply):
@@ -431,102 +476,6 @@ def test_models_with_several_kv_cache_groups_get_no_hit(
     assert len(hook_calls) == 1
 
 
-def test_failed_load_on_two_group_model_cannot_be_recomputed():
-    """Why the exclusion above is needed: on a model with two KV cache groups
-    the scheduler stops on any reported block-level load failure."""
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config=_extra_config(),
-        kv_load_failure_policy="recompute",
-    )
-    scheduler = create_scheduler(vllm_config)
-    scheduler.kv_cache_config = _attention_groups(sliding_window=True)
-    with pytest.raises(RuntimeError, match="multiple KV cache groups"):
-        scheduler._handle_invalid_blocks({1}, {})
-
-
-def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> None:
-    ready.put(rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
-        external_hits.get_tp_group = lambda: group
-        external_hits.get_pcp_group = lambda: SimpleNamespace(world_size=1)
-        # Rank 0 has hits for both requests, rank 1 only a smaller one for b.
-        hits: Any = {"a": 9, "b": 50} if rank == 0 else {"b": 20}
-        if rank == 1 and mode == "raises":
-            hits = RuntimeError("cache unreachable")
-        elif rank == 1 and mode == "bad_value":
-            hits = {"b": -1}
-        connector = _make_connector("HitsConnector", hits={})
-
-        def before_update_states(so: SchedulerOutput) -> Any:
-            if isinstance(hits, Exception):
-                raise hits
-            return hits
-
-        connector.before_update_states = before_update_states
-        so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 100, 0, 64)])
-        try:
-            worker = external_hits.WorkerExternalHits(connector)
-            worker.apply(so)
-            results.put((rank, worker.applied))
-        except RuntimeError as e:
-            results.put((rank, str(e)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_two_ranks(mode: str) -> dict[int, Any]:
-    """Run _min_worker on two gloo ranks; a rank still running 120 s after
-    both started fails the test instead of hanging it. Starting (a spawned
-    interpreter importing vLLM) is not timed: on a loaded machine it alone
-    can take minutes."""
-    ctx = multiprocessing.get_context("spawn")
-    ready, results = ctx.Queue(), ctx.Queue()
-    port = get_open_port()
-    procs = [
-        ctx.Process(target=_min_worker, args=(r, port, ready, results, mode))
-        for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        started = [ready.get(timeout=240) for _ in procs]
-        assert sorted(started) == [0, 1]
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 0))
-    finally:
-        hung = [p.pid for p in procs if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert not hung, f"ranks {hung} still waiting after 120 s"
-    assert [p.exitcode for p in procs] == [0, 0]
-    return dict(results.get(timeout=5) for _ in procs)
-
-
-def test_ranks_apply_the_minimum():
-    assert _run_two_ranks("ok") == {0: {"b": 20}, 1: {"b": 20}}
-
-
-@pytest.mark.parametrize("mode", ["raises", "bad_value"])
-def test_failing_rank_fails_the_step_on_every_rank(mode: str):
-    results = _run_two_ranks(mode)
-    message = "HitsConnector.before_update_states() failed on rank 1"
-    assert message in results[0]
-    assert results[0] == results[1]
-
-
 def _multi_connector(children: list[dict[str, Any]]) -> MultiConnector:
     vllm_config = create_vllm_config(
         kv_connector="MultiConnector",
@@ -559,9 +508,34 @@ def test_multi_connector_first_positive_hit_wins():
     assert mc.before_update_states(_scheduler_output()) == {"a": 3, "b": 7, "c": 2}
 
 
+def test_multi_connector_gives_each_child_the_hits_it_won(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    _single_rank(monkeypatch)
+    mc = _multi_connector(
+        [
+            _child("MockKVConnector"),
+            _child("HitsConnector", hits={"a": 0, "b": 7}),
+            _child("HitsConnector", hits={"a": 3, "b": 9, "c": 2}),
+        ]
+    )
+    mc._kv_cache_config = _attention_groups(sliding_window=False)
+    so = _scheduler_output(
+        new=[("a", 100, 0, 100), ("b", 100, 0, 100), ("c", 100, 0, 100)]
+    )
+    worker = external_hits.WorkerExternalHits(mc)
+    worker.apply(so)
+    assert worker.applied == {"a": 3, "b": 7, "c": 2}
+    first, second = mc._connectors[1:]
+    assert first.applied_calls == [{"b": 7}]
+    assert second.applied_calls == [{"a": 3, "c": 2}]
+
+
 def test_multi_connector_without_hook_users_is_not_called():
     mc = _multi_connector([_child("MockKVConnector"), _child("MockKVConnector")])
     assert not mc.uses_before_update_states
+    mc._connectors.append(MagicMock())
+    assert not MultiConnector.uses_before_update_states.func(mc)
 
 
 def test_multi_connector_names_the_sub_connector_on_bad_hits():
@@ -582,111 +556,3 @@ def test_pipeline_parallel_is_rejected_at_creation():
         KVConnectorFactory.create_connector(
             vllm_config, KVConnectorRole.WORKER, _empty_kv_cache_config()
         )
-
-
-def test_aggregator_carries_applied_hits():
-    outputs = [create_model_runner_output(reqs=[]) for _ in range(2)]
-    for output in outputs:
-        output.kv_connector_output = KVConnectorOutput(applied_external_hits={"a": 5})
-    aggregated = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
-    assert aggregated is not None
-    assert aggregated.kv_connector_output is not None
-    assert aggregated.kv_connector_output.applied_external_hits == {"a": 5}
-    assert not aggregated.kv_connector_output.is_empty()
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_applied_hits_reach_request_stats(async_scheduling: bool):
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config=_extra_config(),
-        max_num_batched_tokens=64,
-    )
-    vllm_config.scheduler_config.async_scheduling = async_scheduling
-    scheduler = create_scheduler(vllm_config)
-    request = create_request(num_tokens=100)
-    scheduler.add_request(request)
-    req_id = request.request_id
-
-    # Chunked prefill: 64 + 36 tokens; the worker loads 40, then 20 of them.
-    engine_outputs = []
-    for num_hit_tokens in (40, 20):
-        so = scheduler.schedule()
-        output = create_model_runner_output(reqs=[request])
-        output.kv_connector_output = KVConnectorOutput(
-            applied_external_hits={req_id: num_hit_tokens}
-        )
-        if num_hit_tokens == 40:
-            # Partial prefill: nothing sampled yet.
-            output.sampled_token_ids = [[]]
-        engine_outputs.append(scheduler.update_from_output(so, output))
-
-    core_outputs = [
-        o for eo in engine_outputs for co in eo.values() for o in co.outputs
-    ]
-    prefill_stats = [o.prefill_stats for o in core_outputs if o.prefill_stats]
-    assert len(prefill_stats) == 1
-    assert prefill_stats[0].num_cached_tokens == 60
-    assert prefill_stats[0].num_external_cached_tokens == 60
-    assert prefill_stats[0].num_computed_tokens == 40
-    # Each update_from_output() takes the stats recorded since the last one.
-    connector_stats = [
-        eo.scheduler_stats.connector_prefix_cache_stats
-        for eos in engine_outputs
-        for eo in eos.values()
-        if eo.scheduler_stats and eo.scheduler_stats.connector_prefix_cache_stats
-    ]
-    assert sum(stats.hits for stats in connector_stats) == 60
-
-
-def test_failed_load_of_applied_hit_is_recomputed():
-    """A block skipped by a worker-side hit that then fails to load is reported
-    through invalid_block_ids, like a scheduler-side hit: the scheduler
-    recomputes the request from that block and samples nothing this step."""
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config=_extra_config(),
-        max_num_batched_tokens=128,
-        kv_load_failure_policy="recompute",
-    )
-    scheduler = create_scheduler(vllm_config)
-    request = create_request(num_tokens=100)
-    scheduler.add_request(request)
-    req_id = request.request_id
-    so = scheduler.schedule()
-    assert so.num_scheduled_tokens[req_id] == 100
-    (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
-
-    # The worker skipped 64 tokens (blocks 0-3); block 2 failed to load.
-    output = create_model_runner_output(reqs=[request])
-    output.kv_connector_output = KVConnectorOutput(
-        applied_external_hits={req_id: 64}, invalid_block_ids={block_ids[2]}
-    )
-    engine_outputs = [scheduler.update_from_output(so, output)]
-
-    assert request.num_computed_tokens == 2 * 16
-    assert request.num_output_tokens == 0
-    so = scheduler.schedule()
-    assert so.num_scheduled_tokens[req_id] == 100 - 2 * 16
-
-    # The recomputing step samples; the failed hit was never counted.
-    engine_outputs.append(
-        scheduler.update_from_output(so, create_model_runner_output(reqs=[request]))
-    )
-    core_outputs = [
-        o for eo in engine_outputs for co in eo.values() for o in co.outputs
-    ]
-    prefill_stats = [o.prefill_stats for o in core_outputs if o.prefill_stats]
-    assert len(prefill_stats) == 1
-    assert prefill_stats[0].num_external_cached_tokens == 0
-    connector_hits = sum(
-        eo.scheduler_stats.connector_prefix_cache_stats.hits
-        for eos in engine_outputs
-        for eo in eos.values()
-        if eo.scheduler_stats and eo.scheduler_stats.connector_prefix_cache_stats
-    )
-    assert connector_hits == 0

@@ -46,9 +46,10 @@ def test_v1_runner_applies_hits_before_update_states(
 
     def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
         calls.append("before_update_states")
-        return {"a": 40}
+        return {"a": 40, "b": 30}
 
     monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
+    connector.on_external_hits_applied = lambda applied: calls.append(applied)
     module = "vllm.v1.worker.gpu_model_runner"
     monkeypatch.setattr(f"{module}.has_kv_transfer_group", lambda: True)
     monkeypatch.setattr(f"{module}.get_kv_transfer_group", lambda: connector)
@@ -71,14 +72,17 @@ def test_v1_runner_applies_hits_before_update_states(
     runner.apply_kv_connector_external_hits = (
         lambda so: V1ModelRunner.apply_kv_connector_external_hits(runner, so)
     )
-    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    # "b" is a decode: its reported hit is not applied.
+    so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("b", 100, 1, 1)])
     so.kv_connector_metadata = SimpleNamespace()
 
     with pytest.raises(_StateUpdateReached):
         V1ModelRunner.execute_model(runner, so)
 
-    assert calls == ["handle_preemptions", "before_update_states"]
-    assert updated[0].num_scheduled_tokens == {"a": 60}
+    # The connector learns the applied hits before the state update, so
+    # before bind_connector_metadata() and start_load_kv().
+    assert calls == ["handle_preemptions", "before_update_states", {"a": 40}]
+    assert updated[0].num_scheduled_tokens == {"a": 60, "b": 1}
     # What maybe_get_kv_connector_output() reports to the scheduler.
     applied = V1ModelRunner.applied_kv_connector_external_hits.fget(runner)
     assert applied == {"a": 40}
@@ -130,6 +134,7 @@ def test_v1_gpu_model_runner_updates_its_states_with_the_hits(
     assert runner.input_batch.num_computed_tokens_cpu[idx] == 40
     assert so.num_scheduled_tokens == {"a": 60}
     assert runner.applied_kv_connector_external_hits == {"a": 40}
+    assert connector.applied_calls == [{"a": 40}]
 
 
 def _cpu_apply_write(self: StagedWriteTensor) -> None:
@@ -241,15 +246,19 @@ def test_v2_hook_order_matches_v1(monkeypatch: pytest.MonkeyPatch, req_states):
 
     def before_update_states(self: Any, so: SchedulerOutput) -> dict[str, int]:
         calls.append("before_update_states")
-        return {}
+        return {"a": 200, "b": 5}
 
     monkeypatch.setattr(HitsConnector, "before_update_states", before_update_states)
+    connector.on_external_hits_applied = lambda applied: calls.append(applied)
+    connector.start_load_kv = lambda *args, **kwargs: calls.append("start_load_kv")
     kv = _active_kv_connector(monkeypatch, connector)
-    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    # "a" is clamped to its last prompt token; "b" is a decode.
+    so = _scheduler_output(new=[("a", 100, 0, 100)], cached=[("b", 100, 1, 1)])
     so.kv_connector_metadata = SimpleNamespace()
     for _ in range(2):
         kv.pre_forward(kv.before_update_states(so, req_states))
-    assert calls == ["handle_preemptions", "before_update_states", "bind"] * 2
+    step = ["handle_preemptions", "before_update_states", {"a": 99}, "bind"]
+    assert calls == [*step, "start_load_kv"] * 2
 
 
 def test_v2_runner_applies_hits_before_update_states():

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import get_skip_reading_prefix_cache
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.metrics.stats import PrefixCacheStats
     from vllm.v1.request import Request
     from vllm.v1.worker.gpu.states import RequestState
@@ -39,8 +39,8 @@ _NO_FAILURE = 2**62
 class WorkerExternalHits:
     """Applies a connector's before_update_states() hits on one worker.
 
-    Each model runner creates one for a connector whose
-    uses_before_update_states is True and calls apply() on every step,
+    Each model runner creates one for a connector for which
+    uses_worker_external_hits() is True and calls apply() on every step,
     before it updates its request states. Which requests may take a hit is
     decided from the facts the scheduler uses for local prefix-cache hits,
     so a request that may not skip its prompt there cannot skip it here:
@@ -91,6 +91,9 @@ class WorkerExternalHits:
         minimum over the ranks that share this step's batch, and set
         ``applied`` to them (None when none was applied).
 
+        After the ranks agree, the connector's on_external_hits_applied()
+        gets the applied hits (empty if none), so it loads only those.
+
         Every tensor- and prefill-context-parallel rank must call this for
         every step. When a request may take a hit, every rank joins one
         all-reduce, whatever its connector did: a rank whose hook raised or
@@ -134,6 +137,7 @@ class WorkerExternalHits:
                 "return a dict of request id to a non-negative int."
             ) from error
         applied = {req_id: n for req_id, n in zip(limits, agreed) if n > 0}
+        self.connector.on_external_hits_applied(dict(applied))
         if not applied:
             return scheduler_output
         self.applied = applied
@@ -184,6 +188,17 @@ class WorkerExternalHits:
                 self._skip_reading_req_ids.add(new_req.req_id)
             else:
                 self._skip_reading_req_ids.discard(new_req.req_id)
+
+
+def uses_worker_external_hits(connector: object) -> bool:
+    """Whether a model runner (or a MultiConnector) calls ``connector``'s
+    before_update_states(): a KVConnectorBase_V1 whose
+    uses_before_update_states is True. Anything else, including a Mock
+    standing in for a connector, gets no call."""
+    return (
+        isinstance(connector, KVConnectorBase_V1)
+        and connector.uses_before_update_states is True
+    )
 
 
 def apply_external_hits(
