@@ -26,8 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.external_match import (
-    NO_EXTERNAL_MATCH,
     ExternalKVMatch,
+    ExternalMatchCalls,
     ExternalMatchChecker,
     ExternalMatchLifecycle,
     ExternalMatchLifecycleError,
@@ -270,8 +270,8 @@ def test_legacy_connector_is_called_directly_by_the_scheduler():
     )
     with patch.dict(os.environ, {"VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE": "1"}):
         scheduler = create_scheduler(vllm_config)
-    # No lifecycle object, no match objects: the legacy pair costs what it did.
-    assert scheduler.external_matches is None
+    # The legacy calls, no match objects: the legacy pair costs what it did.
+    assert type(scheduler.external_matches) is ExternalMatchCalls
     connector = scheduler.connector
     connector.prepare_external_match = Mock()
     connector.commit_external_match = Mock()
@@ -436,8 +436,16 @@ def test_abort_when_chunked_prefill_is_disabled():
 
 def test_abort_when_encoder_inputs_are_pending():
     scheduler = _make_scheduler(extra={"offer": BLOCK_SIZE})
-    scheduler._ec_transfer_pending = lambda request, num_computed_tokens: True
-    _prepare_then_abort(scheduler, create_request(num_tokens=60, block_size=BLOCK_SIZE))
+    # An encoder cache connector whose transfer of the request's encoder
+    # output has not arrived yet.
+    scheduler.ec_connector = Mock()
+    scheduler.ec_connector.ensure_cache_available.return_value = False
+    request = create_request(num_tokens=60, block_size=BLOCK_SIZE)
+    request.mm_features = [Mock()]
+    _prepare_then_abort(scheduler, request)
+    scheduler.ec_connector.ensure_cache_available.assert_called_once_with(
+        request, BLOCK_SIZE
+    )
 
 
 def test_abort_when_prefills_are_deferred():
@@ -456,14 +464,18 @@ def test_abort_when_prefills_are_deferred():
 
 def test_abort_when_mamba_split_leaves_nothing():
     scheduler = _make_scheduler(extra={"offer": BLOCK_SIZE})
+    # The split returns 0 only for a hybrid Mamba KV cache layout, which
+    # create_scheduler() does not build, so it is stubbed here.
     scheduler.need_mamba_block_aligned_split = True
     scheduler._mamba_block_aligned_split = lambda *args: 0
     _prepare_then_abort(scheduler, create_request(num_tokens=60, block_size=BLOCK_SIZE))
 
 
 def test_abort_when_no_tokens_remain_to_schedule():
-    scheduler = _make_scheduler(extra={"offer": BLOCK_SIZE})
-    scheduler._reserve_prefill_lookahead = lambda *args: 0
+    scheduler = _make_scheduler(extra={"offer": BLOCK_SIZE}, max_num_batched_tokens=32)
+    # A multi-module MTP drafter needs the last 64 prefill tokens in one chunk:
+    # 44 tokens are left after the hit, more than the budget of 32.
+    scheduler.num_prefill_lookahead = 64
     _prepare_then_abort(scheduler, create_request(num_tokens=60, block_size=BLOCK_SIZE))
 
 
@@ -507,6 +519,35 @@ def test_abort_comes_before_the_next_prepare_and_the_free():
     calls = [c[0] for c in connector.calls if c[1] == second.request_id]
     assert calls == ["prepare", "abort"] * 3
     _assert_clean(connector)
+
+
+def test_abort_when_the_pass_raises():
+    # An exception in the middle of the pass (here the allocation) never
+    # reaches end_pass(): the open match is aborted before it propagates, so
+    # the next prepare finds no lease left behind.
+    scheduler = _make_scheduler(extra={"offer": BLOCK_SIZE})
+    connector = scheduler.connector
+    request = create_request(num_tokens=60, block_size=BLOCK_SIZE)
+    scheduler.add_request(request)
+    allocate_slots = scheduler.kv_cache_manager.allocate_slots
+    scheduler.kv_cache_manager.allocate_slots = Mock(side_effect=RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        scheduler.schedule()
+    assert [c[0] for c in connector.calls] == ["prepare", "abort"]
+    _assert_clean(connector)
+
+    scheduler.kv_cache_manager.allocate_slots = allocate_slots
+    so = scheduler.schedule()
+    assert request.request_id in so.num_scheduled_tokens
+    assert [c[0] for c in connector.calls] == ["prepare", "abort", "prepare", "commit"]
+    _assert_clean(connector)
+
+
+def test_commit_of_external_tokens_needs_a_prepared_match():
+    lifecycle = ExternalMatchLifecycle()
+    request = create_request(num_tokens=80, block_size=BLOCK_SIZE)
+    with pytest.raises(AssertionError, match="without a prepared match"):
+        lifecycle.commit(Mock(), request, Mock(), num_tokens=16, load_kv_async=True)
 
 
 # ---------------------------------------------------------------------------
@@ -759,16 +800,6 @@ def test_checker_catches_a_match_left_open():
         checker.prepare(connector, request, 0)
 
 
-def test_no_external_match_is_the_empty_match():
-    assert ExternalKVMatch(0, False, None) == NO_EXTERNAL_MATCH
-
-
-def test_match_is_generic_in_its_query_result():
-    lease = Lease("r", 16)
-    match = ExternalKVMatch[Lease](16, False, lease)
-    assert match.query_result is lease and match == ExternalKVMatch(16, False, lease)
-
-
 # ---------------------------------------------------------------------------
 # Legacy entry points over sub-connectors that use the lifecycle.
 # ---------------------------------------------------------------------------
@@ -829,7 +860,7 @@ def test_multi_connector_of_legacy_children_does_not_use_the_lifecycle():
     )
     mc = MultiConnector(vllm_config, KVConnectorRole.SCHEDULER, Mock())
     assert not mc.uses_external_match_lifecycle
-    assert ExternalMatchLifecycle.for_connector(mc) is None
+    assert type(ExternalMatchCalls.for_connector(mc)) is ExternalMatchCalls
     assert _legacy_multi_connector(0).uses_external_match_lifecycle
 
 

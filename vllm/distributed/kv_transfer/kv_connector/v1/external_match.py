@@ -10,22 +10,36 @@ may therefore pin, lease or prefetch in prepare and know that exactly one of
 commit or abort follows.
 
 Whether the scheduler speaks this lifecycle to a connector is decided once,
-when the scheduler is built (KVConnectorBase_V1.uses_external_match_lifecycle):
-a connector that overrides none of the three methods gets the legacy
-get_num_new_matched_tokens() / update_state_after_alloc() calls directly, as
-before the lifecycle existed, and pays nothing for it.
+when the scheduler is built (KVConnectorBase_V1.uses_external_match_lifecycle),
+by the object ExternalMatchCalls.for_connector() returns: the scheduler makes
+the same three calls (prepare, commit, end_pass) either way. A connector that
+overrides none of the three methods gets the legacy
+get_num_new_matched_tokens() / update_state_after_alloc() calls, as before the
+lifecycle existed, with no match objects created.
 
 ExternalMatchLifecycle is the scheduler's side of the contract: it keeps the
 matches prepared in the current scheduling pass and aborts those still open
-when the pass ends, whichever way the request left the pass.
+when the pass ends, whichever way the request left the pass, including an
+exception (aborts_open_matches_on_error).
 ExternalMatchChecker checks the contract at runtime for connector authors
 (VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1).
 """
 
 import dataclasses
+import functools
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    NoReturn,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+)
 
 import vllm.envs as envs
 
@@ -128,40 +142,119 @@ def check_match_api(cls: type) -> None:
         )
 
 
-class ExternalMatchLifecycle:
-    """Matches prepared in the current scheduling pass, owned by the Scheduler.
+class ExternalMatchCalls:
+    """How the Scheduler asks its connector for external tokens and tells it
+    what it admitted; chosen once per scheduler by for_connector().
 
-    Exists only for a connector that uses the lifecycle (for_connector()
-    returns None otherwise, and the Scheduler calls the legacy pair itself).
     Scheduler.schedule() calls prepare() where it asks the connector for
     external tokens, commit() once the request's blocks are allocated, and
-    end_pass() when its pass over the waiting queues ends. A request left
-    out of the pass (skipped, or the pass stopped at it) has its match
-    aborted there, so no match outlives the pass in which it was prepared:
-    commit or abort always comes before the next prepare for the request and
-    before the request can be freed.
+    end_pass() when its pass over the waiting queues ends. This class makes
+    the legacy calls: get_num_new_matched_tokens() and
+    update_state_after_alloc(), nothing kept between them, for a connector
+    that does not use the lifecycle (and for no connector, for which the
+    scheduler calls none of them). ExternalMatchLifecycle makes the
+    lifecycle calls.
 
     The connector is passed to every call rather than bound once, as the
     Scheduler's connector may be replaced after construction (tests do).
     """
 
+    @staticmethod
+    def for_connector(connector: "KVConnectorBase_V1 | None") -> "ExternalMatchCalls":
+        """ExternalMatchLifecycle for a connector that uses the lifecycle
+        (checked by an ExternalMatchChecker when
+        VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1), else the legacy calls."""
+        if not uses_lifecycle(connector):
+            return ExternalMatchCalls()
+        check = envs.VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE
+        return ExternalMatchLifecycle(ExternalMatchChecker() if check else None)
+
+    def prepare(
+        self,
+        connector: "KVConnectorBase_V1",
+        request: "Request",
+        num_computed_tokens: int,
+    ) -> tuple[int | None, bool]:
+        """Ask the connector for external tokens: (tokens, load_kv_async),
+        (None, False) for "ask again later"."""
+        return connector.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def commit(
+        self,
+        connector: "KVConnectorBase_V1",
+        request: "Request",
+        blocks: "KVCacheBlocks",
+        num_tokens: int,
+        load_kv_async: bool,
+    ) -> None:
+        """Tell the connector the request was admitted with ``num_tokens``
+        external tokens and ``blocks`` allocated."""
+        connector.update_state_after_alloc(request, blocks, num_tokens)
+
+    def end_pass(
+        self,
+        connector: "KVConnectorBase_V1 | None",
+        new_reqs: list["Request"],
+        resumed_reqs: list["Request"],
+    ) -> None:
+        """The pass over the waiting requests ended, having admitted
+        ``new_reqs`` and ``resumed_reqs``. Nothing to release here."""
+        return
+
+    def abort_open(self, connector: "KVConnectorBase_V1 | None") -> None:
+        """Release what the pass prepared and did not commit; called when the
+        pass ends by an exception. Nothing to release here."""
+        return
+
+
+class _MatchingScheduler(Protocol):
+    @property
+    def external_matches(self) -> ExternalMatchCalls: ...
+
+    @property
+    def connector(self) -> "KVConnectorBase_V1 | None": ...
+
+
+_SchedulerT = TypeVar("_SchedulerT", bound=_MatchingScheduler)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def aborts_open_matches_on_error(
+    schedule: Callable[Concatenate[_SchedulerT, _P], _R],
+) -> Callable[Concatenate[_SchedulerT, _P], _R]:
+    """Decorates Scheduler.schedule(): if it raises, abort the matches its
+    pass prepared and had not committed before the exception propagates, so
+    a pin or lease is released even when the pass never reaches end_pass()
+    (and the next prepare for the request does not find it still open)."""
+
+    @functools.wraps(schedule)
+    def schedule_and_abort_on_error(
+        scheduler: _SchedulerT, *args: _P.args, **kwargs: _P.kwargs
+    ) -> _R:
+        try:
+            return schedule(scheduler, *args, **kwargs)
+        except BaseException:
+            scheduler.external_matches.abort_open(scheduler.connector)
+            raise
+
+    return schedule_and_abort_on_error
+
+
+class ExternalMatchLifecycle(ExternalMatchCalls):
+    """Matches prepared in the current scheduling pass, owned by the Scheduler
+    when its connector uses the lifecycle.
+
+    A request left out of the pass (skipped, or the pass stopped at it) has
+    its match aborted in end_pass(), and every match of a pass that raised in
+    abort_open(), so no match outlives the pass in which it was prepared:
+    commit or abort always comes before the next prepare for the request and
+    before the request can be freed.
+    """
+
     def __init__(self, checker: "ExternalMatchChecker | None" = None) -> None:
         self._open: dict[str, tuple[Request, ExternalKVMatch[Any]]] = {}
         self._checker = checker
-
-    @classmethod
-    def for_connector(
-        cls, connector: "KVConnectorBase_V1 | None"
-    ) -> "ExternalMatchLifecycle | None":
-        """The lifecycle for ``connector``, or None if the scheduler should
-        call its legacy get_num_new_matched_tokens() and
-        update_state_after_alloc() directly (no connector, or one that does
-        not use the lifecycle). With VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1
-        every call is checked by an ExternalMatchChecker."""
-        if not uses_lifecycle(connector):
-            return None
-        check = envs.VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE
-        return cls(ExternalMatchChecker() if check else None)
 
     def prepare(
         self,
@@ -200,12 +293,14 @@ class ExternalMatchLifecycle:
         entry = self._open.pop(request.request_id, None)
         match: ExternalKVMatch[Any]
         if entry is None:
-            # No prepare in this pass (e.g. the request's async load ended).
-            match = (
-                NO_EXTERNAL_MATCH
-                if num_tokens == 0
-                else ExternalKVMatch(num_tokens, load_kv_async)
+            # No prepare in this pass: the request resumed after its
+            # asynchronous load, or does not read the prefix cache. The
+            # scheduler takes external tokens only from a prepared match.
+            assert num_tokens == 0, (
+                f"{num_tokens} external tokens committed for request "
+                f"{request.request_id!r} without a prepared match"
             )
+            match = NO_EXTERNAL_MATCH
         else:
             match = entry[1]
             if (match.num_tokens, match.load_kv_async) != (num_tokens, load_kv_async):
@@ -226,16 +321,25 @@ class ExternalMatchLifecycle:
         """Abort every match still open; called when the pass over the
         waiting requests ends, with the requests it admitted (new and
         resumed), which the checker verifies were all committed."""
-        if self._open:
-            assert connector is not None
-            open_matches, self._open = self._open, {}
-            for request, match in open_matches.values():
-                if self._checker is not None:
-                    self._checker.abort(connector, request, match)
-                else:
-                    connector.abort_external_match(request, match)
+        self._abort_open_matches(connector)
         if self._checker is not None:
             self._checker.end_pass(new_reqs, resumed_reqs)
+
+    def abort_open(self, connector: "KVConnectorBase_V1 | None") -> None:
+        self._abort_open_matches(connector)
+        if self._checker is not None:
+            self._checker.abandon_pass()
+
+    def _abort_open_matches(self, connector: "KVConnectorBase_V1 | None") -> None:
+        if not self._open:
+            return
+        assert connector is not None
+        open_matches, self._open = self._open, {}
+        for request, match in open_matches.values():
+            if self._checker is not None:
+                self._checker.abort(connector, request, match)
+            else:
+                connector.abort_external_match(request, match)
 
 
 class ExternalMatchChecker:
@@ -340,6 +444,10 @@ class ExternalMatchChecker:
                     request.request_id,
                     "admitted without commit_external_match()",
                 )
+        self._committed.clear()
+
+    def abandon_pass(self) -> None:
+        """The pass raised: its admissions are not checked."""
         self._committed.clear()
 
     def _record(self, req_id: str, call: str) -> None:
