@@ -223,15 +223,16 @@ class StoreCore:
         as bad; warn once. ``at_load``: found while loading a hit the
         scheduler took (a load error), not by a lookup (a miss)."""
         self.stats.inc("corrupt_chunks")
-        deleted = False
-        if self.usable() and self.writable():
-            try:
-                self.backend.delete(key)
-                deleted = True
-            except BackendUnavailable:
-                pass
-        if not deleted:
+        if not self.usable():
+            fate = "left in place while the store is backed off from"
+        elif self._deleted(key):
+            fate = "deleted"
+        else:
             self.bad_keys.add(key)
+            fate = (
+                "kept, since the store cannot be written now; this server "
+                "will not read it again"
+            )
         if not at_load:
             consequence = "treated as a miss"
         elif self.load_failure_policy == "recompute":
@@ -246,12 +247,6 @@ class StoreCore:
                 'client gets an error); set "kv_load_failure_policy": '
                 '"recompute" in --kv-transfer-config to recompute it instead'
             )
-        fate = (
-            "deleted"
-            if deleted
-            else "kept, since the store cannot be written now; this server "
-            "will not read it again"
-        )
         self.warn_once(
             key,
             "StoreConnector: chunk %s unusable (%s), %s; %s",
@@ -260,6 +255,17 @@ class StoreCore:
             fate,
             consequence,
         )
+
+    def _deleted(self, key: str) -> bool:
+        """Delete ``key``; whether the store could (a store that cannot be
+        written keeps it)."""
+        if not self.writable():
+            return False
+        try:
+            self.backend.delete(key)
+        except BackendUnavailable:
+            return False
+        return True
 
     def release(self, lease_id: str, keys: Iterable[str], count: bool) -> None:
         keys = list(keys)
