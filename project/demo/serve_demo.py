@@ -104,6 +104,16 @@ class Completion:
     seconds: float
 
 
+def clip(text: str, limit: int) -> str:
+    """``text`` on one line of at most ``limit`` characters, cut at a space
+    (never mid-word) with `` ...`` when it was longer."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 3)
+    return (text[:cut] if cut > 0 else text[: limit - 4]) + " ..."
+
+
 def step(message: str) -> None:
     """Print a progress line at once (the server log is not interleaved)."""
     print(f"[demo] {message}", flush=True)
@@ -122,6 +132,9 @@ def default_kv_config(storage: Path) -> dict[str, Any]:
     return {
         "kv_connector": "StoreConnector",
         "kv_role": "kv_both",
+        # A chunk damaged on disk is recomputed, not a failed request (the
+        # READMEs' commands say the same).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"path": str(storage)},
     }
 
@@ -222,7 +235,7 @@ class Server:
                 return time.monotonic() - start
             if time.monotonic() >= next_beat:
                 next_beat += HEARTBEAT_S
-                last = (self.log_tail(1) or "(nothing yet)")[:160]
+                last = clip(self.log_tail(1) or "(nothing yet)", 120)
                 step(f"server starting, {time.monotonic() - start:.0f} s: {last}")
             time.sleep(1)
         raise DemoError(f"server not healthy after {timeout:.0f} s")

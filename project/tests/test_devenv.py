@@ -63,3 +63,15 @@ def test_demo_installs_what_it_serves_and_the_tests_add_the_rest(
     devenv.ensure(tmp_path, demo_only=True)
     devenv.ensure(tmp_path)
     assert len(installs) == 3
+
+
+def test_progress_lines_end_at_a_word_and_heartbeats_repeat_nothing_stale():
+    line = "Building wheel for vllm (pyproject.toml): started " + "word " * 60
+    shown = devenv.clip(line)
+    assert len(shown) <= devenv.LINE_CHARS and shown.endswith(" ...")
+    assert line.startswith(shown[: -len(" ...")] + " ")  # cut at a space
+    first = devenv.heartbeat(20, "Copying vllm/foo.py", "")
+    assert first.endswith(": Copying vllm/foo.py")
+    again = devenv.heartbeat(30, "Copying vllm/foo.py", "Copying vllm/foo.py")
+    assert again == "... 30 s, pip still working (no new output)"
+    assert devenv.HEARTBEAT_S <= 10

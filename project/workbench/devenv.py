@@ -67,14 +67,27 @@ _PIP_PROGRESS = (
     "Successfully",
     "ERROR",
 )
-HEARTBEAT_S = 20
+HEARTBEAT_S = 10
+# Widest progress line shown; longer ones end at a word, with " ...".
+LINE_CHARS = 160
+
+
+def clip(text: str, limit: int = LINE_CHARS) -> str:
+    """``text`` on one line of at most ``limit`` characters, cut at a space
+    (never mid-word) with `` ...`` when it was longer."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 3)
+    return (text[:cut] if cut > 0 else text[: limit - 4]) + " ..."
 
 
 def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
     """``pip install args`` with its progress shown and its full output in
     ``log``: what it collects, builds and installs, and every ``HEARTBEAT_S``
-    seconds of silence a line with the time so far (the patched build, which
-    downloads and repacks the release wheel, is minutes of silence in pip).
+    seconds without a progress line, a line with the time so far and pip's
+    latest line if it is new (the patched build, which downloads and repacks
+    the release wheel, is minutes of silence in pip).
     """
     cmd = [str(python), "-m", "pip", "install", "--progress-bar", "off", *args]
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -97,6 +110,7 @@ def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
 
         threading.Thread(target=pump, daemon=True).start()
         latest = ""
+        said = ""  # the latest line, as last shown
         while True:
             try:
                 line = lines.get(timeout=1)
@@ -109,20 +123,27 @@ def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
                 out.write(line)
                 latest = line.strip() or latest
                 if line.lstrip().startswith(_PIP_PROGRESS):
-                    print(f"  {line.rstrip()[:200]}", flush=True)
+                    print(f"  {clip(line)}", flush=True)
                     last_said = now
+                    said = latest
             if now - last_said >= HEARTBEAT_S:
-                print(
-                    f"  ... {now - started:.0f} s, pip still working"
-                    + (f" (last: {latest[:120]})" if latest else ""),
-                    flush=True,
-                )
+                print(f"  {heartbeat(now - started, latest, said)}", flush=True)
                 last_said = now
+                said = latest
         status = proc.wait()
     if status != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise WorkbenchError(f"{what} failed (full output: {log}):\n{tail}")
     print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def heartbeat(seconds: float, latest: str, said: str) -> str:
+    """The line saying pip is still at work after ``seconds``: with its
+    ``latest`` line if that is not what was shown last (``said``)."""
+    line = f"... {seconds:.0f} s, pip still working"
+    if latest and latest != said:
+        return line + ": " + clip(latest, LINE_CHARS - len(line) - 2)
+    return line + " (no new output)"
 
 
 def ensure(root: Path, demo_only: bool = False) -> Path:

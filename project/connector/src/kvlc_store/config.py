@@ -11,11 +11,14 @@ configuration before any model loads.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import math
 import os
 import re
+import stat
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,12 @@ DEFAULT_CAPACITY = 8 * 1024**3
 DEFAULT_LEASE_TTL_S = 60.0
 DEFAULT_NAMESPACE = "kvlc"
 DEFAULT_REDIS_TIMEOUT_S = 2.0
+# Ranges of the numeric settings: a lease or a timeout past these is a
+# mistake (and ``inf`` overflows the store's integer milliseconds); a store
+# under MIN_CAPACITY cannot hold one chunk of any model.
+MAX_LEASE_TTL_S = 86400.0
+MAX_REDIS_TIMEOUT_S = 3600.0
+MIN_CAPACITY = 64 * 1024
 # Host memory for batched transfers of a KV cache on an accelerator: 64
 # blocks of an 8B model's 2 MiB per batch, two batches in flight.
 DEFAULT_PINNED_BUFFER = 256 * 1024**2
@@ -39,7 +48,14 @@ DEFAULT_HOST_TIER = 4 * 1024**3
 _KEYS = {
     "backend": "'directory' (default) or 'redis'",
     "path": "the store directory (directory backend; created if missing)",
-    "redis_url": "redis://host:port/db (redis backend)",
+    "redis_url": "redis://host:port/db (redis backend; no password in it: "
+    "vLLM prints its arguments)",
+    "redis_password_env": "the name of an environment variable holding the "
+    "Redis password (redis backend)",
+    "redis_password_file": "a file holding the Redis password on its first "
+    "line (redis backend; readable by its owner only)",
+    "group_access": "let the store directory's group read and write the store "
+    "(true/false; default false: only this user)",
     "namespace": "prefix of every Redis key (redis backend)",
     "capacity": "store size cap, bytes or a size like '8GiB'",
     "lease_ttl_s": "seconds a lease lives if never released",
@@ -102,6 +118,62 @@ class StoreConfig:
     pinned_buffer_bytes: int = DEFAULT_PINNED_BUFFER
     host_tier_bytes: int = DEFAULT_HOST_TIER
     model_id: str | None = None
+    redis_password_env: str | None = None
+    redis_password_file: Path | None = None
+    group_access: bool = False
+
+
+class SecretInConfig(argparse.ArgumentTypeError):
+    """A refused configuration that holds a secret (a password in
+    ``redis_url``). Not a ``ValueError``: pydantic, which builds vLLM's
+    ``KVTransferConfig``, would wrap one with the whole input in its message
+    (password included); argparse prints this one's message alone."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<a URL that does not parse>"
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def redis_password(config: StoreConfig) -> str | None:
+    """The Redis password the configuration names, read now (an environment
+    variable, or the first line of a file); None if it names none. Raises
+    ``ValueError`` naming the setting if it cannot be read."""
+    if config.redis_password_env is not None:
+        value = os.environ.get(config.redis_password_env)
+        if not value:
+            raise ValueError(
+                f"{PREFIX}['redis_password_env'] = "
+                f"{config.redis_password_env!r}: that environment variable is "
+                "not set or empty; export it in the server's environment"
+            )
+        return value
+    if config.redis_password_file is not None:
+        try:
+            lines = config.redis_password_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"{PREFIX}['redis_password_file'] = "
+                f"{str(config.redis_password_file)!r}: cannot read it ({e}); "
+                "point it at a readable file"
+            ) from None
+        if not lines or not lines[0].strip():
+            raise ValueError(
+                f"{PREFIX}['redis_password_file'] = "
+                f"{str(config.redis_password_file)!r}: its first line is "
+                "empty; write the password there"
+            )
+        return lines[0].strip()
+    return None
 
 
 def parse_size(value: object) -> int | None:
@@ -158,8 +230,20 @@ def _positive_float(value: object) -> float | None:
         f = float(value)
     except ValueError:
         return None
-    # Infinity is no number of seconds: a lease or timeout must end.
-    return f if 0 < f < math.inf else None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def _seconds(limit: float) -> Callable[[object], float | None]:
+    def parse(value: object) -> float | None:
+        f = _positive_float(value)
+        return f if f is not None and f <= limit else None
+
+    return parse
+
+
+def _capacity(value: object) -> int | None:
+    size = parse_size(value)
+    return size if size is not None and size >= MIN_CAPACITY else None
 
 
 def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> StoreConfig:
@@ -196,17 +280,29 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
             return default
         return value
 
-    seconds = "set a positive number of seconds"
+    def seconds(limit: float) -> str:
+        return f"set a positive number of seconds, at most {limit:g}"
+
     capacity = setting(
         "capacity",
         DEFAULT_CAPACITY,
-        _positive_size,
-        "set a positive size in bytes or like '8GiB'",
+        _capacity,
+        "set a positive size in bytes or like '8GiB', at least 64KiB (a "
+        "smaller store holds no chunk)",
     )
-    ttl = setting("lease_ttl_s", DEFAULT_LEASE_TTL_S, _positive_float, seconds)
+    ttl = setting(
+        "lease_ttl_s",
+        DEFAULT_LEASE_TTL_S,
+        _seconds(MAX_LEASE_TTL_S),
+        seconds(MAX_LEASE_TTL_S),
+    )
     timeout = setting(
-        "redis_timeout_s", DEFAULT_REDIS_TIMEOUT_S, _positive_float, seconds
+        "redis_timeout_s",
+        DEFAULT_REDIS_TIMEOUT_S,
+        _seconds(MAX_REDIS_TIMEOUT_S),
+        seconds(MAX_REDIS_TIMEOUT_S),
     )
+    group_access = setting("group_access", False, _bool, "set true or false")
     verify = setting("verify_on_lookup", True, _bool, "set true or false")
     scheduler_lookup = setting("scheduler_lookup", True, _bool, "set true or false")
     offload = setting(
@@ -283,9 +379,30 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
 
     path: Path | None = None
     redis_url: str | None = None
+    secret = False
+    password_env = extra.get("redis_password_env")
+    password_file = extra.get("redis_password_file")
+    for key, value in (
+        ("redis_password_env", password_env),
+        ("redis_password_file", password_file),
+    ):
+        if value is not None and (not isinstance(value, str) or not value):
+            bad(key, value, "set a non-empty name, or remove it")
+        elif value is not None and backend != "redis":
+            bad(key, value, "remove it, or set backend 'redis'")
+    if isinstance(password_env, str) and isinstance(password_file, str):
+        bad(
+            "redis_password_file",
+            password_file,
+            "set redis_password_env or redis_password_file, not both",
+        )
     if backend == "directory":
         if "redis_url" in extra:
-            bad("redis_url", extra["redis_url"], "remove it, or set backend 'redis'")
+            raw_url = extra["redis_url"]
+            if isinstance(raw_url, str) and redact_url(raw_url) != raw_url:
+                secret = True
+                raw_url = redact_url(raw_url)
+            bad("redis_url", raw_url, "remove it, or set backend 'redis'")
         raw = extra.get("path")
         if not isinstance(raw, str) or not raw:
             bad("path", raw, "set the directory the store keeps its chunks in")
@@ -302,19 +419,27 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         if not isinstance(raw, str) or not raw.startswith(
             ("redis://", "rediss://", "unix://")
         ):
+            if isinstance(raw, str) and redact_url(raw) != raw:
+                secret, raw = True, redact_url(raw)
             bad("redis_url", raw, "set a URL like 'redis://127.0.0.1:6379/0'")
+        elif redact_url(raw) != raw:
+            secret = True
+            bad(
+                "redis_url",
+                redact_url(raw),
+                "holds a password, which vLLM prints with its arguments and "
+                "ps shows; remove it from the URL and name where to read it: "
+                "redis_password_env (an environment variable) or "
+                "redis_password_file (a file)",
+            )
         else:
             redis_url = raw
-            if check_store and not problems:
-                problem = _check_redis(raw, namespace, timeout)
-                if problem:
-                    bad("redis_url", raw, problem)
+    if backend == "directory" and path is not None and check_store and not problems:
+        problem = _check_private(path, bool(group_access))
+        if problem:
+            bad("path", str(path), problem)
 
-    if problems:
-        raise ValueError(
-            "StoreConnector: invalid configuration:\n  " + "\n  ".join(problems)
-        )
-    return StoreConfig(
+    config = StoreConfig(
         backend=str(backend),
         path=path,
         redis_url=redis_url,
@@ -331,7 +456,26 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         pinned_buffer_bytes=pinned_buffer,
         host_tier_bytes=host_tier,
         model_id=model_id,
+        redis_password_env=password_env if isinstance(password_env, str) else None,
+        redis_password_file=(
+            Path(password_file).expanduser() if isinstance(password_file, str) else None
+        ),
+        group_access=bool(group_access),
     )
+    if backend == "redis" and redis_url is not None and check_store and not problems:
+        try:
+            problem = _check_redis(config)
+        except ValueError as e:  # the password cannot be read
+            problems.append(str(e))
+        else:
+            if problem:
+                bad("redis_url", redis_url, problem)
+    if problems:
+        message = "StoreConnector: invalid configuration:\n  " + "\n  ".join(problems)
+        if secret:
+            raise SecretInConfig(message)
+        raise ValueError(message)
+    return config
 
 
 def check_vllm_config(config: StoreConfig, enable_prefix_caching: bool) -> None:
@@ -369,18 +513,81 @@ def _check_directory(path: Path) -> str | None:
     return None
 
 
-def _check_redis(url: str, namespace: str, timeout: float) -> str | None:
+def _check_redis(config: StoreConfig) -> str | None:
+    """Why the store's Redis cannot be used, or None: it must answer a PING,
+    and accept us (the password; not in protected mode)."""
     try:
         import redis  # noqa: F401
     except ImportError:
         return "the 'redis' Python package is missing; pip install redis"
     from kvlc_store.backends import BackendUnavailable, RedisBackend
 
-    backend = RedisBackend(url, namespace, 1, timeout_s=timeout)
+    assert config.redis_url is not None
+    backend = RedisBackend(
+        config.redis_url,
+        config.namespace,
+        1,
+        timeout_s=config.redis_timeout_s,
+        password=redis_password(config),
+    )
     try:
         backend.ping()
     except BackendUnavailable as e:
-        return f"Redis does not answer ({e}); start redis-server or fix the URL"
+        if not backend.refused(e):
+            return f"Redis does not answer ({e}); start redis-server or fix the URL"
+        if "DENIED" in str(e):
+            fix = (
+                "Redis is in protected mode (no password, reached from another "
+                "host); set a password on it (requirepass) and name it here with "
+                "redis_password_env or redis_password_file"
+            )
+        elif isinstance(
+            e.__cause__, redis.exceptions.AuthenticationError
+        ) or "NOAUTH" in str(e):
+            fix = (
+                "check the password (redis_password_env or redis_password_file) "
+                "and the user in the URL against Redis's requirepass or ACL"
+            )
+        else:
+            fix = "fix the Redis server or the URL"
+        return f"Redis refuses this connector ({e}); {fix}"
     finally:
         backend.close()
     return None
+
+
+def _check_private(path: Path, group_access: bool) -> str | None:
+    """Why the store at ``path`` (or the directories above it) lets other
+    users write it, or None. A store others can write serves whatever they
+    put there: KV of their choosing under a prompt's key. A directory above
+    it that others can write (without the sticky bit, as /tmp has) lets them
+    replace the store itself. The store's owner is trusted: another user's
+    store that this one may only read is served read-only."""
+    allowed = stat.S_IWOTH | (0 if group_access else stat.S_IWGRP)
+    probe = path
+    while True:
+        try:
+            st = probe.lstat()
+        except FileNotFoundError:
+            st = None
+        except OSError:
+            return None  # the writability check reports it
+        if st is not None:
+            sticky = bool(st.st_mode & stat.S_ISVTX)
+            if probe == path or probe in (path / "chunks", path / "leases"):
+                if st.st_mode & allowed:
+                    share = "others" if group_access else "its group or others"
+                    return (
+                        f"{probe} is writable by {share} (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}), who could put any KV "
+                        f"there; chmod {'770' if group_access else '700'} it"
+                    )
+            elif st.st_mode & stat.S_IWOTH and not sticky:
+                return (
+                    f"{probe}, above the store, is writable by every user (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}), who could replace the store; "
+                    "chmod o-w it or put the store elsewhere"
+                )
+        if probe.parent == probe:
+            return None
+        probe = probe.parent

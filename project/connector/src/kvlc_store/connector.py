@@ -43,6 +43,7 @@ recomputes it under ``kv_load_failure_policy: recompute``.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -162,10 +163,14 @@ class StoreConnector(KVConnectorBase_V1):
             HAS_SCHEDULER_CONTEXT,
         )
         if role == KVConnectorRole.SCHEDULER and backend.read_only:
+            owner = getattr(backend, "owner_uid", None)
             logger.warning(
                 "StoreConnector: store %s is read-only: serving hits from it, "
-                "saving nothing",
+                "saving nothing%s",
                 config.path,
+                ""
+                if owner in (None, os.geteuid())
+                else f"; trusting its owner (uid {owner}) for what it holds",
             )
         if (
             role == KVConnectorRole.SCHEDULER

@@ -3,11 +3,10 @@ store, its identity and key scheme, counters, and how failures are told."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from kvlc_store.backends import (
     RedisBackend,
 )
 from kvlc_store.chunk import FORMAT_VERSION, ChunkError
-from kvlc_store.config import StoreConfig
+from kvlc_store.config import StoreConfig, redis_password
 from kvlc_store.identity import model_identity
 from kvlc_store.stats import StoreConnectorStats
 
@@ -97,9 +96,12 @@ def make_backend(config: StoreConfig) -> Backend:
             config.namespace,
             config.capacity_bytes,
             timeout_s=config.redis_timeout_s,
+            password=redis_password(config),
         )
     assert config.path is not None
-    return DirectoryBackend(config.path, config.capacity_bytes)
+    return DirectoryBackend(
+        config.path, config.capacity_bytes, group_access=config.group_access
+    )
 
 
 @dataclass
@@ -132,6 +134,9 @@ class StoreCore:
         self.tp_size = tp_size
         self.stats = stats if stats is not None else StoreConnectorStats()
         self._warned: set[str] = set()
+        # Damaged chunks that could not be deleted (the store cannot be
+        # written): never offered or read again by this process.
+        self.bad_keys: set[str] = set()
         # "read" (lookups, loads, leases) and "write" (saves) fail apart: a
         # full disk stops saves while reads still hit.
         self._outages: dict[str, _Outage] = {}
@@ -160,10 +165,12 @@ class StoreCore:
         outage = self._outages.get(what)
         return outage is None or time.monotonic() >= outage.retry_at
 
-    def unavailable(self, e: BackendUnavailable, what: str = "read") -> None:
-        """Count a failed store operation of kind ``what``; back off from
-        the store (``usable``), longer after each failure; warn once per
-        outage."""
+    def unavailable(
+        self, e: BackendUnavailable, what: str = "read", op: str | None = None
+    ) -> None:
+        """Count a failed store operation of kind ``what`` (``op`` names it
+        in the log: a lease is a read that writes); back off from the store
+        (``usable``), longer after each failure; warn once per outage."""
         self.stats.inc("store_errors")
         outage = self._outages.setdefault(what, _Outage(self._first_wait_s))
         outage.retry_at = time.monotonic() + outage.wait_s
@@ -181,7 +188,7 @@ class StoreCore:
                 "StoreConnector: store %s failed, %s until it works again "
                 "(trying it again after %.0f s, then at doubling intervals up "
                 "to %.0f s): %s",
-                what,
+                what if op is None else f"{what} ({op})",
                 consequence,
                 self._first_wait_s,
                 RETRY_MAX_S,
@@ -197,12 +204,35 @@ class StoreCore:
         if outage is not None and outage.logged:
             logger.info("StoreConnector: store %s works again", what)
 
+    def writable(self) -> bool:
+        """Whether the store took writes when last tried."""
+        return bool(getattr(self.backend, "writable", not self.backend.read_only))
+
+    def usable_run(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are not known to be bad."""
+        if not self.bad_keys:
+            return len(keys)
+        for i, key in enumerate(keys):
+            if key in self.bad_keys:
+                return i
+        return len(keys)
+
     def bad_chunk(self, key: str, error: ChunkError, at_load: bool = False) -> None:
-        """A chunk that must not be used: count, warn once, delete it (the
-        request's own save then writes it again). ``at_load``: found while
-        loading a hit the scheduler took (a load error), not by a lookup (a
-        miss)."""
+        """A chunk that must not be used: count, delete it (the request's own
+        save then writes it again) or, if it cannot be deleted, remember it
+        as bad; warn once. ``at_load``: found while loading a hit the
+        scheduler took (a load error), not by a lookup (a miss)."""
         self.stats.inc("corrupt_chunks")
+        if not self.usable():
+            fate = "left in place while the store is backed off from"
+        elif self._deleted(key):
+            fate = "deleted"
+        else:
+            self.bad_keys.add(key)
+            fate = (
+                "kept, since the store cannot be written now; this server "
+                "will not read it again"
+            )
         if not at_load:
             consequence = "treated as a miss"
         elif self.load_failure_policy == "recompute":
@@ -219,14 +249,23 @@ class StoreCore:
             )
         self.warn_once(
             key,
-            "StoreConnector: chunk %s unusable (%s), deleted; %s",
+            "StoreConnector: chunk %s unusable (%s), %s; %s",
             key,
             error,
+            fate,
             consequence,
         )
-        if self.usable():
-            with contextlib.suppress(BackendUnavailable):
-                self.backend.delete(key)
+
+    def _deleted(self, key: str) -> bool:
+        """Delete ``key``; whether the store could (a store that cannot be
+        written keeps it)."""
+        if not self.writable():
+            return False
+        try:
+            self.backend.delete(key)
+        except BackendUnavailable:
+            return False
+        return True
 
     def release(self, lease_id: str, keys: Iterable[str], count: bool) -> None:
         keys = list(keys)

@@ -98,11 +98,15 @@ class SchedulerSide:
             return None
         per_block = [core.keys(h) for h in request.block_hashes[start:end]]
         flat = [k for keys in per_block for k in keys]
+        usable = core.usable_run(flat) // core.tp_size
+        per_block, flat = per_block[:usable], flat[: usable * core.tp_size]
+        if not flat:
+            return None
         lease_id = new_lease_id()
         try:
             n = core.backend.lease(flat, lease_id, core.config.lease_ttl_s)
         except BackendUnavailable as e:
-            core.unavailable(e)
+            core.unavailable(e, op="lease write")
             return None
         if n:
             core.available()
@@ -332,6 +336,12 @@ class SchedulerSide:
         for req_id, loaded in list(self._loaded_until.items()):
             block_ids = self.block_ids(req_id)[:loaded]
             bad = [i for i, b in enumerate(block_ids) if b in invalid_block_ids]
+            request = self.requests.get(req_id)
+            if bad and request is not None and not self._core.writable():
+                # The workers could not delete the damaged chunks either:
+                # never offer them again (they would fail every load).
+                for i in bad:
+                    self._core.bad_keys.update(self._core.keys(request.block_hashes[i]))
             if bad:
                 self._loaded_until[req_id] = bad[0]
                 if req_id in self._saved_until:

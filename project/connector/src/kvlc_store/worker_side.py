@@ -506,11 +506,14 @@ class WorkerSide:
             if not core.usable():
                 break
             keys = [keys[self.rank] for keys in probe.keys]
+            keys = keys[: core.usable_run(keys)]
+            if not keys:
+                continue
             lease_id = new_lease_id()
             try:
                 n = core.backend.lease(keys, lease_id, core.config.lease_ttl_s)
             except BackendUnavailable as e:
-                core.unavailable(e)
+                core.unavailable(e, op="lease write")
                 continue
             if n:
                 core.available()

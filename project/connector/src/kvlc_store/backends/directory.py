@@ -7,6 +7,7 @@ import errno
 import fcntl
 import functools
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -54,11 +55,15 @@ def _read_only(root: Path) -> bool:
 
 
 def read_chunk_file(
-    path: str | Path, head_bytes: int, into: Sequence[memoryview]
+    path: str | Path,
+    head_bytes: int,
+    into: Sequence[memoryview],
+    trusted: Callable[[str | Path, os.stat_result], bool] | None = None,
 ) -> Head | None:
     """Read the chunk file at ``path``: its first ``head_bytes`` bytes, and
     the rest straight into ``into`` when the lengths match (``read_into``'s
-    contract). None if there is no such file; other ``OSError`` as raised.
+    contract). None if there is no such file, or ``trusted`` refuses it (by
+    its owner and mode); other ``OSError`` as raised.
 
     Chunk files are written to a temporary name and renamed into place,
     never rewritten, so a short read is a file system failing.
@@ -68,7 +73,10 @@ def read_chunk_file(
     except FileNotFoundError:
         return None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if trusted is not None and not trusted(path, st):
+            return None
+        size = st.st_size
         head = os.pread(fd, head_bytes, 0)
         if size == head_bytes + sum(t.nbytes for t in into):
             offset = head_bytes
@@ -114,9 +122,20 @@ class DirectoryBackend:
     is offered fails that load (see ``kv_load_failure_policy``).
     """
 
-    def __init__(self, root: Path, capacity_bytes: int) -> None:
+    def __init__(
+        self, root: Path, capacity_bytes: int, group_access: bool = False
+    ) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
+        # Private unless shared with the directory's group, whatever the
+        # umask: a store others can write serves KV of their choosing.
+        self.group_access = group_access
+        self._dir_mode = 0o2770 if group_access else 0o700
+        self._file_mode = 0o660 if group_access else 0o600
+        self._untrusted_told: set[str] = set()
+        # A store that turned read-only while serving: leases cannot be
+        # written, hits are served without them (see ``lease``).
+        self._lease_error: OSError | None = None
         self._chunks = root / "chunks"
         self._chunks_dir = str(self._chunks)
         self._leases = root / "leases"
@@ -127,14 +146,71 @@ class DirectoryBackend:
         if not self.read_only:
             self._make_layout()
             self._clean_tmp()
+        # Who may have written its chunks: this user, and the store's owner
+        # (another user's store this one only reads), and with group_access
+        # the store's group.
+        st = root.stat()
+        self.owner_uid = st.st_uid
+        self._trusted_uids = {os.geteuid(), st.st_uid}
+        self._gid = st.st_gid
 
     def _make_layout(self) -> None:
         for d in (self._chunks, self._leases, self._tmp):
-            d.mkdir(parents=True, exist_ok=True)
-        self._lock_path.touch(exist_ok=True)
+            self._mkdirs(d)
+        if not self._lock_path.exists():
+            os.close(self._create(self._lock_path, os.O_WRONLY | os.O_CREAT))
         if not self._size_path.exists():
             with self._locked():
                 self._write_size(self._scan_size())
+
+    def _mkdirs(self, path: Path) -> None:
+        """Create ``path`` and its missing parents with the store's mode."""
+        missing: list[Path] = []
+        while not path.is_dir():
+            missing.append(path)
+            path = path.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir()
+                os.chmod(d, self._dir_mode)  # mkdir's mode is cut by the umask
+
+    def _create(self, path: Path, flags: int) -> int:
+        """Open a new file of the store, with the store's mode."""
+        fd = os.open(path, flags, self._file_mode)
+        if self.group_access:
+            os.fchmod(fd, self._file_mode)  # os.open's mode is cut by the umask
+        return fd
+
+    def _write_file(self, path: Path, text: str) -> None:
+        fd = self._create(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    def _trusted(self, path: str | Path, st: os.stat_result) -> bool:
+        """Whether the chunk file ``path`` is one this store wrote: owned by
+        this user or the store's owner (or, with ``group_access``, in the
+        store's group), and writable by no one else. Any other is refused
+        with a warning: a user who could write there could have put any KV
+        under the key."""
+        mine = st.st_uid in self._trusted_uids or (
+            self.group_access and st.st_gid == self._gid
+        )
+        others = stat.S_IWOTH | (0 if self.group_access else stat.S_IWGRP)
+        if mine and not st.st_mode & others:
+            return True
+        if str(path) not in self._untrusted_told:
+            self._untrusted_told.add(str(path))
+            logger.warning(
+                "StoreConnector: chunk file %s is not served: it belongs to uid "
+                "%d (mode %o), not to this user or the store's owner%s, or "
+                "others may write it; another user may have written it. Remove "
+                "it (a store shared by a group needs group_access: true)",
+                path,
+                st.st_uid,
+                stat.S_IMODE(st.st_mode),
+                " or group" if self.group_access else "",
+            )
+        return False
 
     def _io(self, op: Callable[[], _T]) -> _T:
         """Run one store operation, with file-system errors as
@@ -204,9 +280,9 @@ class DirectoryBackend:
         path = self._path(key)
         if path.exists():
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._mkdirs(path.parent)
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         size = sum(p.nbytes for p in parts)
         try:
             # Straight from the caller's buffers (the KV cache), no join.
@@ -237,6 +313,8 @@ class DirectoryBackend:
     def _get(self, key: str) -> bytes | None:
         path = self._path(key)
         try:
+            if not self._trusted(path, path.stat()):
+                return None
             data = path.read_bytes()
         except FileNotFoundError:
             return None
@@ -246,19 +324,29 @@ class DirectoryBackend:
     def _used(self, path: str | Path) -> None:
         """Mark a chunk just read as used (LRU order is mtime)."""
         if not self.read_only:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.utime(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                # A store turned read-only still serves what it holds.
+                if e.errno not in READ_ONLY_ERRNOS:
+                    raise
 
     def peek(self, keys: Sequence[str], n: int) -> list[Head | None]:
         return self._io(lambda: [self._peek(key, n) for key in keys])
 
     def _peek(self, key: str, n: int) -> Head | None:
+        path = self._file(key)
         try:
-            fd = os.open(self._file(key), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            return os.pread(fd, n, 0), os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not self._trusted(path, st):
+                return None
+            return os.pread(fd, n, 0), st.st_size
         finally:
             os.close(fd)
 
@@ -275,7 +363,7 @@ class DirectoryBackend:
         self, key: str, head_bytes: int, into: Sequence[memoryview]
     ) -> Head | None:
         path = self._file(key)
-        head = read_chunk_file(path, head_bytes, into)
+        head = read_chunk_file(path, head_bytes, into, self._trusted)
         if head is not None:
             self._used(path)
         return head
@@ -311,7 +399,7 @@ class DirectoryBackend:
 
     def _write_size(self, total: int) -> None:
         tmp = self._size_path.with_suffix(f".{os.getpid()}")
-        tmp.write_text(str(total))
+        self._write_file(tmp, str(total))
         os.replace(tmp, self._size_path)
 
     def _scan_size(self) -> int:
@@ -326,7 +414,38 @@ class DirectoryBackend:
     def lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
         if self.read_only:
             return self._io(lambda: self._stored_run(keys))
-        return self._io(lambda: self._lease(keys, lease_id, ttl_s))
+        try:
+            n = self._io(lambda: self._lease(keys, lease_id, ttl_s))
+        except BackendUnavailable as e:
+            error = e.__cause__
+            if not (isinstance(error, OSError) and error.errno in READ_ONLY_ERRNOS):
+                raise
+            # The store turned read-only (remounted, its mode changed): no
+            # one can evict its chunks through it either, so they are served
+            # without a lease rather than lost as misses.
+            if self._lease_error is None:
+                logger.warning(
+                    "StoreConnector: lease write to store directory %s failed "
+                    "(%s): the store cannot be written now; serving its chunks "
+                    "without leases, saves fail until it can",
+                    self.root,
+                    error,
+                )
+            self._lease_error = error
+            return self._io(lambda: self._stored_run(keys))
+        if self._lease_error is not None:
+            self._lease_error = None
+            logger.info(
+                "StoreConnector: lease writes to store directory %s work again",
+                self.root,
+            )
+        return n
+
+    @property
+    def writable(self) -> bool:
+        """Whether the store took writes when last tried (False: read-only
+        at start, or a lease write failed since)."""
+        return not self.read_only and self._lease_error is None
 
     def _stored_run(self, keys: Sequence[str]) -> int:
         n = 0
@@ -341,7 +460,7 @@ class DirectoryBackend:
             n = self._stored_run(keys)
             if n:
                 body = f"{ttl_s}\n" + "\n".join(keys[:n]) + "\n"
-                (self._leases / lease_id).write_text(body)
+                self._write_file(self._leases / lease_id, body)
             return n
 
     def release(self, keys: Sequence[str], lease_id: str) -> None:
@@ -359,7 +478,7 @@ class DirectoryBackend:
             drop = set(keys)
             left = [k for k in held if k not in drop]
             if left:
-                path.write_text(ttl + "\n" + "\n".join(left) + "\n")
+                self._write_file(path, ttl + "\n" + "\n".join(left) + "\n")
             else:
                 path.unlink(missing_ok=True)
 

@@ -117,6 +117,13 @@ return 0
 """
 
 
+def _describe(e: BaseException) -> str:
+    """``e`` as one line: what Redis answered (its error class says which
+    kind of refusal when the text does not)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 class RedisBackend:
     """Chunks in a Redis server, shared by every process that uses the same
     URL and namespace.
@@ -145,14 +152,20 @@ class RedisBackend:
         namespace: str,
         capacity_bytes: int,
         timeout_s: float = 2.0,
+        password: str | None = None,
     ) -> None:
         import redis
 
         self._redis_mod = redis
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
+        # The password comes apart from the URL (config.py: never where vLLM
+        # prints its arguments).
         self._client: Any = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            password=password,
         )
         self._put = self._client.register_script(_LUA_PUT)
         self._get = self._client.register_script(_LUA_GET)
@@ -164,14 +177,23 @@ class RedisBackend:
     def ping(self) -> None:
         self._call(self._client.ping)
 
+    def refused(self, e: BackendUnavailable) -> bool:
+        """Whether ``e`` (from this backend) is Redis answering with a
+        refusal (a wrong password, protected mode, a full memory), not
+        Redis out of reach (connection refused, a timeout)."""
+        exceptions = self._redis_mod.exceptions
+        return not isinstance(
+            e.__cause__, exceptions.ConnectionError | exceptions.TimeoutError
+        ) or isinstance(e.__cause__, exceptions.AuthenticationError)
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # Every error reply is a store fault, not only a lost connection:
+        # OOM under maxmemory, NOAUTH, a script refused; and OSError, which
+        # the client lets through from some socket calls.
         try:
             return fn(*args, **kwargs)
-        except (
-            self._redis_mod.exceptions.ConnectionError,
-            self._redis_mod.exceptions.TimeoutError,
-        ) as e:
-            raise BackendUnavailable(f"redis: {e}") from e
+        except (self._redis_mod.exceptions.RedisError, OSError) as e:
+            raise BackendUnavailable(f"redis: {_describe(e)}") from e
 
     def put(self, key: str, data: Data) -> int | None:
         parts = as_parts(data)
@@ -205,8 +227,14 @@ class RedisBackend:
         for key in keys:
             pipe.get(f"{self.namespace}:c:{key}")
         pipe.eval(_LUA_TOUCH, 1, self.namespace, *keys)
-        replies = self._call(pipe.execute)
-        return list(replies[: len(keys)])
+        # Marking chunks used is best effort: a Redis that refuses writes
+        # (full memory) still serves what it holds.
+        replies = self._call(pipe.execute, raise_on_error=False)
+        values = list(replies[: len(keys)])
+        for value in values:
+            if isinstance(value, Exception):
+                raise BackendUnavailable(f"redis: {_describe(value)}") from value
+        return values
 
     def read_into(
         self,

@@ -1,0 +1,347 @@
+"""StoreConnector faults and security end to end (``vllm serve``, real HTTP):
+a full Redis, another local user, a store that turns read-only, secrets in
+logs, and settings refused before any model loads.
+
+Two servers on the demo model, started together and shared by the tests of
+this module (``kv_load_failure_policy: recompute`` on both):
+
+* ``dir``: a directory store created under umask 000, inside a user and
+  mount namespace (``unshare``) where the directory holding the store is a
+  bind mount of itself, so a test can remount it read-only under the running
+  server (``nsenter``) while this process still writes it;
+* ``redis``: a Redis with a password (``requirepass``) that the server reads
+  from an environment variable; a test fills Redis to ``maxmemory``.
+
+The refusals run ``vllm serve`` on a model directory that does not exist:
+the check must stop it first, in one line, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from conftest import REPO
+from redis_server import RedisServer, free_port
+
+sys.path.insert(0, str(REPO / "project" / "demo"))
+import serve_demo  # noqa: E402
+from make_model import make_model  # noqa: E402
+from test_store_connector_e2e import (  # noqa: E402
+    BLOCK,
+    Engine,
+    assert_same_output,
+    kv_config,
+    prompt,
+)
+from test_store_user_errors_e2e import LAST_LINES, serve  # noqa: E402
+
+PASSWORD = "kvlc-e2e-Pw-7f3c9a1e"
+PASSWORD_ENV = "KVLC_TEST_REDIS_PASSWORD"
+WRONG_PASSWORD = "kvlc-e2e-wrong-0b5d"
+NOBODY = 65534
+
+
+def in_namespace(command: list[str], mount: Path) -> list[str]:
+    """``command`` under umask 000, in its own user and mount namespaces
+    where ``mount`` is a bind mount of itself (remountable read-only)."""
+    script = 'umask 000 && mount --bind "$0" "$0" && exec "$@"'
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script,
+            str(mount), *command]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        pytest.fail("unshare and nsenter (util-linux) are needed")
+    root = tmp_path_factory.mktemp("store-security")
+    model = make_model(root / "model")
+    mount = root / "mnt"
+    mount.mkdir(mode=0o700)
+    store = mount / "store"
+    redis = RedisServer(root / "redis")
+    redis.start()
+    client = redis_lib.Redis(port=redis.port)
+    client.config_set("requirepass", PASSWORD)
+    client = redis_lib.Redis(port=redis.port, password=PASSWORD)
+    engines: dict[str, Engine] = {}
+    try:
+        port = serve_demo.free_port()
+        command = serve_demo.server_command(
+            model, port, kv_config({"path": str(store)})
+        )
+        command = in_namespace(command, mount)
+        server = serve_demo.Server(command, serve_demo.server_env(), root / "dir.log")
+        engines["dir"] = Engine("dir", server, port)
+        port = serve_demo.free_port()
+        extra = {
+            "backend": "redis",
+            "redis_url": redis.url,
+            "redis_password_env": PASSWORD_ENV,
+        }
+        command = serve_demo.server_command(model, port, kv_config(extra))
+        env = {**serve_demo.server_env(), PASSWORD_ENV: PASSWORD}
+        server = serve_demo.Server(command, env, root / "redis.log")
+        engines["redis"] = Engine("redis", server, port)
+        for engine in engines.values():
+            engine.server.wait_healthy(engine.url, timeout=600)
+        yield {"root": root, "store": store, "mount": mount, "client": client,
+               **engines}  # fmt: skip
+    finally:
+        for engine in engines.values():
+            engine.server.stop()
+        redis.stop()
+
+
+def stored_files(store: Path) -> dict[Path, int]:
+    """Every chunk file of the store, with its inode (a new one is new)."""
+    return {p: p.stat().st_ino for p in (store / "chunks").rglob("*.0")}
+
+
+def store_new(engine: Engine, store: Path, tag: str) -> tuple[Any, list[Path]]:
+    """Send ``prompt(tag)`` once (a miss, stored); its answer and chunk files."""
+    before = stored_files(store)
+    miss = engine.complete(prompt(tag))
+    assert miss.cached_tokens == 0
+    new = [p for p in stored_files(store) if p not in before]
+    assert len(new) == 2, new
+    return miss, new
+
+
+def test_store_created_under_umask_000_is_private(servers):
+    engine: Engine = servers["dir"]
+    store: Path = servers["store"]
+    miss, _ = store_new(engine, store, "private")
+    hit = engine.complete(prompt("private"))
+    assert hit.cached_tokens == 2 * BLOCK
+    assert_same_output(hit, miss)
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [store, *store.rglob("*")]}
+    loose = {
+        str(p): oct(m)
+        for p, m in modes.items()
+        if m != (0o700 if p.is_dir() else 0o600)
+    }
+    assert not loose, loose
+
+
+def test_chunk_of_another_user_is_refused_with_a_warning(servers):
+    """A chunk file another user wrote (here: a stored one, handed to
+    ``nobody``) is a miss with a warning, never a silent hit."""
+    engine: Engine = servers["dir"]
+    miss, chunks = store_new(engine, servers["store"], "foreign")
+    for path in chunks:  # readable: its writer wants it served
+        os.chown(path, NOBODY, NOBODY)
+        path.chmod(0o644)
+    again = engine.complete(prompt("foreign"))
+    assert again.cached_tokens == 0
+    assert_same_output(again, miss)
+    log = engine.server.log_text()
+    assert f"{chunks[0]} is not served: it belongs to uid {NOBODY}" in log or (
+        f"{chunks[1]} is not served: it belongs to uid {NOBODY}" in log
+    ), log[-3000:]
+
+
+def remount(engine: Engine, mount: Path, mode: str) -> None:
+    subprocess.run(
+        ["nsenter", "-t", str(engine.server.proc.pid), "-U", "-m",
+         "mount", "-o", f"remount,bind,{mode}", str(mount)],
+        check=True, timeout=30,
+    )  # fmt: skip
+
+
+def test_store_remounted_read_only_keeps_its_hits_and_its_bad_chunks(servers):
+    """Remounted read-only while serving: a lease cannot be written, and the
+    chunks are served without one (nothing can evict them now); the log says
+    the lease write failed. A chunk found damaged then cannot be deleted: it
+    is logged as kept and never read again (each read would fail its load
+    and recompute the request)."""
+    engine: Engine = servers["dir"]
+    store: Path = servers["store"]
+    kept, _ = store_new(engine, store, "read-only")
+    damaged, damaged_chunks = store_new(engine, store, "damaged")
+    remount(engine, servers["mount"], "ro")
+    try:
+        start = len(engine.server.log_text())
+        hit = engine.complete(prompt("read-only"))
+        assert hit.cached_tokens == 2 * BLOCK
+        assert_same_output(hit, kept)
+        log = engine.server.log_text()[start:]
+        assert "lease write to store directory" in log, log
+        assert "Read-only file system" in log, log
+        assert "store read failed" not in log, log
+
+        for path in damaged_chunks:  # this process still writes the store
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+        first = engine.complete(prompt("damaged"))
+        assert_same_output(first, damaged)
+        corrupt = engine.store_metrics()["vllm:kvlc_store_corrupt_chunks_total"]
+        assert corrupt >= 1
+        log = engine.server.log_text()[start:]
+        assert "kept, since the store cannot be written now" in log, log
+        assert "), deleted;" not in log, log
+        for _ in range(2):
+            again = engine.complete(prompt("damaged"))
+            assert again.cached_tokens == 0
+            assert_same_output(again, damaged)
+        after = engine.store_metrics()["vllm:kvlc_store_corrupt_chunks_total"]
+        assert after == corrupt  # not read again
+        assert all(p.exists() for p in damaged_chunks)
+    finally:
+        remount(engine, servers["mount"], "rw")
+
+
+def test_full_redis_skips_saves_and_keeps_serving_hits(servers):
+    """Redis at ``maxmemory`` (default policy ``noeviction``) refuses writes
+    with an OOM error: saves are skipped, with one line; a hit is still
+    served (marking its chunks used is best effort); answers stay right."""
+    engine: Engine = servers["redis"]
+    client: redis_lib.Redis = servers["client"]
+    stored = engine.complete(prompt("before-full"))
+    assert engine.complete(prompt("before-full")).cached_tokens == 2 * BLOCK
+    start = len(engine.server.log_text())
+    client.config_set("maxmemory", 1)
+    try:
+        for i in range(4):
+            answer = engine.complete(prompt(f"full-{i}"))
+            assert answer.cached_tokens == 0
+        again = engine.complete(prompt("before-full"))
+        assert again.cached_tokens == 2 * BLOCK
+        assert_same_output(again, stored)
+        log = engine.server.log_text()[start:]
+    finally:
+        client.config_set("maxmemory", 0)
+    assert log.count("store write failed, skipping saves") == 1, log
+    assert "store read" not in log, log
+    assert "OutOfMemoryError" in log, log
+    assert engine.server.proc.poll() is None
+    health = serve_demo.http(f"{engine.url}/health")
+    assert health is not None
+
+
+def test_no_log_line_holds_the_redis_password(servers):
+    engine: Engine = servers["redis"]
+    answer = engine.complete(prompt("secret"))
+    assert answer.cached_tokens == 0
+    engine.complete(prompt("secret"))  # a hit, unless saves still back off
+    assert PASSWORD not in engine.server.log_text()
+    cmdline = Path(f"/proc/{engine.server.proc.pid}/cmdline").read_bytes()
+    assert PASSWORD.encode() not in cmdline
+
+
+# -- refused before the model loads ------------------------------------------
+
+
+@contextlib.contextmanager
+def protected_mode_redis() -> Iterator[int]:
+    """A port answering as Redis in protected mode answers a client from
+    another host: the DENIED error, then the connection closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port: int = listener.getsockname()[1]
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.recv(4096)
+                conn.sendall(
+                    b"-DENIED Redis is running in protected mode because "
+                    b"protected mode is enabled and no password is set for "
+                    b"the default user.\r\n"
+                )
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        yield port
+    finally:
+        listener.close()
+
+
+def refusal_config(case: str, tmp_path: Path, stack: contextlib.ExitStack) -> dict:
+    if case == "numbers":
+        return {
+            "path": str(tmp_path / "store"),
+            "lease_ttl_s": "inf",
+            "redis_timeout_s": "inf",
+            "capacity": "1B",
+        }
+    if case == "protected mode":
+        port = stack.enter_context(protected_mode_redis())
+        return {"backend": "redis", "redis_url": f"redis://127.0.0.1:{port}/0"}
+    redis = stack.enter_context(running_password_redis(tmp_path))
+    if case == "wrong password":
+        return {
+            "backend": "redis",
+            "redis_url": redis.url,
+            "redis_password_env": PASSWORD_ENV,
+        }
+    assert case == "password in the URL"
+    return {"backend": "redis", "redis_url": f"redis://:{PASSWORD}@127.0.0.1:1/0"}
+
+
+@contextlib.contextmanager
+def running_password_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    redis = RedisServer(tmp_path / "redis", free_port())
+    redis.start()
+    redis_lib.Redis(port=redis.port).config_set("requirepass", PASSWORD)
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+REFUSALS = {
+    "numbers": [
+        "['lease_ttl_s'] = 'inf': set a positive number of seconds, at most",
+        "['redis_timeout_s'] = 'inf': set a positive number of seconds, at most",
+        "['capacity'] = '1B': set a positive size in bytes or like '8GiB', at "
+        "least 64KiB",
+    ],
+    "protected mode": ["Redis refuses this connector (", "protected mode"],
+    "wrong password": [
+        "Redis refuses this connector (",
+        "check the password (redis_password_env",
+    ],
+    "password in the URL": ["'redis://:***@127.0.0.1:1/0': holds a password"],
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refused_in_one_line_before_the_model(tmp_path: Path, case: str):
+    with contextlib.ExitStack() as stack:
+        kv = {
+            "kv_connector": "StoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": refusal_config(case, tmp_path, stack),
+        }
+        os.environ[PASSWORD_ENV] = WRONG_PASSWORD
+        try:
+            status, output, seconds = serve(tmp_path, kv)
+        finally:
+            del os.environ[PASSWORD_ENV]
+    last = "\n".join(output.strip().splitlines()[-LAST_LINES:])
+    assert status == 2, output[-3000:]
+    for expected in REFUSALS[case]:
+        assert expected in last, output[-3000:]
+        # One line: each problem on its own, not cut across lines.
+    assert "Traceback" not in output
+    assert "does not answer" not in output
+    assert "Starting to load model" not in output
+    assert PASSWORD not in output and WRONG_PASSWORD not in output
+    assert not (tmp_path / "store").exists()
+    print(f"{case}: exit {status} after {seconds:.1f} s; last lines:\n{last}")
