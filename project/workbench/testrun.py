@@ -21,10 +21,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench import devenv
+from workbench import devenv, syspkgs
 from workbench.tools import tools_python
-
-SYSTEM_PACKAGES = "project/ci/system-packages"
 
 
 @dataclass
@@ -112,7 +110,7 @@ def _upstream_tests(root: Path, python: Path) -> Verdict:
 def run(root: Path, rest: list[str]) -> int:
     """The whole of ``./wb test``; ``rest`` goes to the project's pytest."""
     # Seconds, not minutes after the install, when it cannot go on.
-    if subprocess.call([str(root / SYSTEM_PACKAGES)]) != 0:
+    if not syspkgs.ensure(root):
         return 1
     python = devenv.ensure(root)
     tools = tools_python()
