@@ -85,3 +85,28 @@ def test_a_step_that_gives_no_verdict_fails(tmp_path: Path):
     assert verdict.failed == 1
     lines, status = testrun.summary([verdict])
     assert status == 1 and lines[-1] == "=== 0 passed, 1 failed ==="
+
+
+def test_steps_beside_the_project_tests_keep_their_output_in_logs(tmp_path: Path):
+    """The hooks, then ``wb regress``, with their commands and output in
+    their logs, nothing on stdout, and their verdicts."""
+    tools = executable(
+        tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
+    )
+    counts = {"passed": 7, "regressions": 0, "known_failures": 0, "retired": 0}
+    executable(
+        tmp_path / "wb",
+        "import json, sys\n"
+        "out = sys.argv[sys.argv.index('--summary-json') + 1]\n"
+        f"open(out, 'w').write(json.dumps({counts!r}))\n"
+        "print('regress output')",
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    hooks, upstream = testrun._beside(tmp_path, tools, Path(sys.executable), logs)
+    assert (hooks.passed, hooks.failed) == (2, 1)
+    assert (upstream.passed, upstream.failed) == (7, 0)
+    assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
+    log = (logs / "upstream.log").read_text().splitlines()
+    assert log[0].startswith("$ ") and "regress --python" in log[0]
+    assert log[1:] == ["regress output"]
