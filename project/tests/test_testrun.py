@@ -4,6 +4,7 @@ pytest run or a stand-in for the tool it calls."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 from workbench import testrun
@@ -110,3 +111,49 @@ def test_steps_beside_the_project_tests_keep_their_output_in_logs(tmp_path: Path
     log = (logs / "upstream.log").read_text().splitlines()
     assert log[0].startswith("$ ") and "regress --python" in log[0]
     assert log[1:] == ["regress output"]
+
+
+def test_run_reports_the_steps_beside_after_the_project_tests(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """The whole of ``./wb test`` with each step's tool stood in for: the
+    steps beside finish during the project tests, and their logs and
+    verdicts follow the project tests' verdict, then the count."""
+    beside_ran = threading.Event()
+
+    def hooks(root, tools, out):
+        print("hook output", file=out)
+        return testrun.Verdict("project hooks", 3, 0, "3 hooks passed")
+
+    def upstream_tests(root, python, out):
+        print("regress output", file=out)
+        beside_ran.set()
+        return testrun.Verdict("upstream and stack tests", 5, 0, "0 regressions")
+
+    def project_tests(root, python, env, rest):
+        assert beside_ran.wait(30), "the steps beside did not run meanwhile"
+        assert env["KVLC_REQUIRE_E2E"] == "1" and rest == ["-k", "x"]
+        return testrun.Verdict("project tests", 7, 1, "7 passed, 1 failed")
+
+    python = Path(sys.executable)
+    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
+    for name in ("ensure", "ensure_unpatched", "ensure_lmcache"):
+        monkeypatch.setattr(testrun.devenv, name, lambda root: python)
+    monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
+    monkeypatch.setattr(testrun, "_hooks", hooks)
+    monkeypatch.setattr(testrun, "_upstream_tests", upstream_tests)
+    monkeypatch.setattr(testrun, "_project_tests", project_tests)
+    assert testrun.run(tmp_path, ["-k", "x"]) == 1
+    out = capsys.readouterr().out
+    order = [
+        "=== project tests: FAIL: 7 passed, 1 failed",
+        "hook output",
+        "=== project hooks: PASS: 3 hooks passed",
+        "regress output",
+        "=== upstream and stack tests: PASS: 0 regressions",
+        "=== summary",
+        "=== 15 passed, 1 failed ===",
+    ]
+    positions = [out.index(line) for line in order]
+    assert positions == sorted(positions), out
