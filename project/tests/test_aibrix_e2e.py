@@ -2,7 +2,8 @@
 to end: ``vllm serve`` on the CPU build, real HTTP, the real
 ``aibrix_kvcache`` cache manager.
 
-Four servers on the demo model, each started once for the module:
+Four servers on the demo model, each started once for the module, two at a
+time (``a`` and ``b``, then ``tp2`` and ``evicting``):
 
 * ``a`` and ``b`` (TP=1, started together): AIBrix's L1 CPU cache and its
   ``SHFS`` L2 in one shared directory; ``b`` is asked for a prompt only ``a``
