@@ -1,4 +1,12 @@
-"""Workbench test fixtures: real git, real GNU patch, the real pinned release."""
+"""Workbench test fixtures: real git, real GNU patch, the real pinned release.
+
+CI time (``./wb test`` on 2 cores, limit 45 minutes): an engine start costs
+30-60 s there and is mostly one busy core. An end-to-end test shares its
+servers with the other tests of its module (a module-scoped fixture), and
+starts servers that do not depend on each other together, two at a time
+(``test_aibrix_e2e.py``'s ``pair``); the log's ``--durations`` list shows
+what a new test costs.
+"""
 
 from __future__ import annotations
 

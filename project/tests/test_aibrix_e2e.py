@@ -2,7 +2,8 @@
 to end: ``vllm serve`` on the CPU build, real HTTP, the real
 ``aibrix_kvcache`` cache manager.
 
-Four servers on the demo model, each started once for the module:
+Four servers on the demo model, each started once for the module, two at a
+time (``a`` and ``b``, then ``tp2`` and ``evicting``):
 
 * ``a`` and ``b`` (TP=1, started together): AIBrix's L1 CPU cache and its
   ``SHFS`` L2 in one shared directory; ``b`` is asked for a prompt only ``a``
@@ -184,17 +185,43 @@ def test_second_server_hits_what_the_first_stored(b: Engine, shared: dict[str, A
 
 
 @pytest.fixture(scope="module")
-def evicting(root: Path, model: Path, b: Engine) -> Iterator[Engine]:
-    kv = {
+def later(root: Path, model: Path, b: Engine) -> Iterator[dict[str, Engine]]:
+    """``evicting`` and ``tp2``, started together once the TP=1 pair is up
+    (its fixture asks for ``b``): two starts at once fill the two cores
+    that one start leaves half idle."""
+    evicting_kv = {
         **KV,
         "kv_connector": "EvictingAIBrixHookConnector",
         "kv_connector_module_path": "aibrix_evicting_connector",
     }
-    engine = start("evicting", root, model, root / "l2-evicting", kv=kv)
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            "evicting": pool.submit(
+                start, "evicting", root, model, root / "l2-evicting", kv=evicting_kv
+            ),
+            "tp2": pool.submit(
+                start, "tp2", root, model, root / "l2-tp2", tp=2, l1=False
+            ),
+        }
+    engines = {n: f.result() for n, f in futures.items() if f.exception() is None}
+    errors = [e for f in futures.values() if (e := f.exception()) is not None]
     try:
-        yield engine
+        if errors:
+            raise errors[0]
+        yield engines
     finally:
-        engine.server.stop()
+        for engine in engines.values():
+            engine.server.stop()
+
+
+@pytest.fixture(scope="module")
+def evicting(later: dict[str, Engine]) -> Engine:
+    return later["evicting"]
+
+
+@pytest.fixture(scope="module")
+def tp2(later: dict[str, Engine]) -> Engine:
+    return later["tp2"]
 
 
 def test_eviction_between_lookup_and_load_still_loads_the_pinned_kv(
@@ -224,17 +251,6 @@ def test_eviction_between_lookup_and_load_still_loads_the_pinned_kv(
     assert "Traceback" not in log
     for answer in (miss, hit):
         assert_same(answer, reference)
-
-
-@pytest.fixture(scope="module")
-def tp2(root: Path, model: Path, b: Engine) -> Iterator[Engine]:
-    # Started after the TP=1 servers (its fixture asks for b): a TP=2
-    # engine uses both cores.
-    engine = start("tp2", root, model, root / "l2-tp2", tp=2, l1=False)
-    try:
-        yield engine
-    finally:
-        engine.server.stop()
 
 
 def test_tp2_ranks_that_disagree_load_their_common_prefix(

@@ -1,10 +1,10 @@
 """StoreConnector with tensor parallelism, and a store damaged while it
 serves, end to end: ``vllm serve`` on the CPU build, real HTTP.
 
-One server at a time: first TP=1 without a connector gives the reference
-answers, then one TP=2 server (``VLLM_CPU_OMP_THREADS_BIND="0|1"``) with the
-connector named only by name (its plugin entry point registers it) on a
-directory store, shared by the tests below. Its scheduler lookups are off,
+A TP=1 server without a connector gives the reference answers while one
+TP=2 server (``VLLM_CPU_OMP_THREADS_BIND="0|1"``) starts (a start is mostly
+one busy core), with the connector named only by name (its plugin entry
+point registers it) on a directory store, shared by the tests below. Its scheduler lookups are off,
 so every hit is found by each rank's worker on its own
 (``before_update_states``) and the runner takes the minimum across ranks:
 ranks that disagree load only their common prefix.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,17 +71,9 @@ def model(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(root: Path, model: Path) -> dict[str, Answer]:
-    """TP=1, no connector: what every answer below must equal."""
-    engine = start("reference", root, model, 1, None)
-    try:
-        return {tag: engine.complete(text) for tag, text in all_prompts().items()}
-    finally:
-        engine.server.stop()
-
-
-@pytest.fixture(scope="module")
-def tp2(root: Path, model: Path, reference: dict[str, Answer]) -> Iterator[Engine]:
+def servers(root: Path, model: Path) -> Iterator[tuple[dict[str, Answer], Engine]]:
+    """The reference answers (TP=1, no connector: what every answer below
+    must equal), taken while the TP=2 server starts, and that server."""
     kv = {
         "kv_connector": "StoreConnector",
         "kv_role": "kv_both",
@@ -89,11 +82,33 @@ def tp2(root: Path, model: Path, reference: dict[str, Answer]) -> Iterator[Engin
             "scheduler_lookup": False,
         },
     }
-    engine = start("tp2", root, model, 2, kv)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start, "tp2", root, model, 2, kv)
+        try:
+            engine = start("reference", root, model, 1, None)
+            try:
+                answers = {t: engine.complete(p) for t, p in all_prompts().items()}
+            finally:
+                engine.server.stop()
+        except BaseException:
+            if starting.exception() is None:
+                starting.result().server.stop()
+            raise
+        tp2 = starting.result()
     try:
-        yield engine
+        yield answers, tp2
     finally:
-        engine.server.stop()
+        tp2.server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(servers: tuple[dict[str, Answer], Engine]) -> dict[str, Answer]:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def tp2(servers: tuple[dict[str, Answer], Engine]) -> Engine:
+    return servers[1]
 
 
 def chunk_files(root: Path) -> set[Path]:

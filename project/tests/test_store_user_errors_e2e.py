@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +107,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_setting_stops_the_server_at_once(tmp_path: Path, case: str):
+def test_bad_setting_stops_the_server_at_once(
+    case: str, refused: dict[str, tuple[Path, Future[tuple[int, str, float]]]]
+):
     extra_of, expected = CASES[case]
-    (tmp_path / "a-file").write_text("not a directory")
+    tmp_path, served = refused[case]
     store = tmp_path / "store"
-    status, output, seconds = serve(tmp_path, kv_config(extra_of(str(store), tmp_path)))
+    status, output, seconds = served.result()
     last = "\n".join(output.strip().splitlines()[-LAST_LINES:])
     assert status != 0
     assert expected in last, output[-3000:]
@@ -151,3 +155,19 @@ def test_setting_that_needs_another_engine_argument_stops_before_the_model(
     assert "Starting to load model" not in output
     assert not store.exists()
     print(f"exit {status} after {seconds:.1f} s; last lines:\n{last}")
+
+
+@pytest.fixture(scope="module")
+def refused(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[Path, Future[tuple[int, str, float]]]]]:
+    """Every case of ``CASES`` served, two at a time (each is mostly a vLLM
+    import on one core): its own directory and its run."""
+    runs = {}
+    with ThreadPoolExecutor(2) as pool:
+        for case, (extra_of, _) in CASES.items():
+            tmp_path = tmp_path_factory.mktemp("bad-setting")
+            (tmp_path / "a-file").write_text("not a directory")
+            kv = kv_config(extra_of(str(tmp_path / "store"), tmp_path))
+            runs[case] = (tmp_path, pool.submit(serve, tmp_path, kv))
+        yield runs

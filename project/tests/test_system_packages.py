@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO
+from workbench import syspkgs
 
 SCRIPT = REPO / "project" / "ci" / "system-packages"
 LIBIBVERBS = "\tlibibverbs.so.1 (libc6,x86-64) => /usr/lib/libibverbs.so.1"
@@ -109,3 +110,76 @@ def test_wb_test_stops_in_its_first_seconds_when_it_cannot_install(tmp_path: Pat
     )
     # It stopped before installing anything.
     assert ".venv" not in result.stdout, result.stdout
+
+
+def test_for_names_its_command_and_checks_only_its_packages(tmp_path: Path):
+    env = machine(tmp_path, redis=False, ibverbs=True, uid=1000, apt=False)
+    result = run([str(SCRIPT), "--for", "./wb x", "libibverbs1"], env)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    result = run([str(SCRIPT), "--for", "./wb x", "redis-server"], env)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: ./wb x needs the Debian packages redis-server (or their "
+        "equivalents): install them and run again"
+    ]
+
+
+def test_wb_bench_ttft_stops_in_its_first_seconds_when_it_cannot_install(
+    tmp_path: Path,
+):
+    """The Mooncake and Redis peers' packages, before any environment (the
+    bench's plotting venv, .venv, LMCache's venv) is built."""
+    env = machine(tmp_path, redis=False, ibverbs=False, uid=1000, apt=False)
+    started = time.monotonic()
+    result = run([sys.executable, str(REPO / "wb"), "bench", "--ttft"], env)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: ./wb bench --ttft needs the Debian packages redis-server "
+        "libibverbs1 (or their equivalents): install them and run again"
+    ]
+    assert result.stdout == ""
+    # The tools venv goes to the cache under HOME: nothing was made there.
+    assert not (tmp_path / ".cache").exists()
+
+
+def test_wb_bench_ttft_needs_the_packages_of_the_systems_it_measures():
+    assert syspkgs.for_ttft([]) == ["redis-server", "libibverbs1"]
+    assert syspkgs.for_ttft(["--systems", "mooncake", "store-dir"]) == [
+        "libibverbs1"
+    ]
+    assert syspkgs.for_ttft(["--repeats", "2", "--systems", "store-redis"]) == [
+        "redis-server"
+    ]
+    assert syspkgs.for_ttft(["--systems", "store-dir", "lmcache"]) == []
+    assert syspkgs.for_ttft(["--from-json", "x.json"]) == []
+    assert syspkgs.for_ttft(["--help"]) == []
+
+
+def test_every_ttft_system_with_a_peer_package_is_a_ttft_system():
+    sys.path.insert(0, str(REPO / "project" / "bench"))
+    import ttft
+
+    assert set(syspkgs.TTFT_SYSTEMS) <= set(ttft.SYSTEMS)
+
+
+def test_wb_demo_with_a_mooncake_connector_stops_when_it_cannot_install(
+    tmp_path: Path,
+):
+    env = machine(tmp_path, redis=True, ibverbs=False, uid=1000, apt=False)
+    config = '{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}'
+    result = run(
+        [sys.executable, str(REPO / "wb"), "demo", "--kv-transfer-config", config],
+        env,
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: ./wb demo needs the Debian packages libibverbs1 (or their "
+        "equivalents): install them and run again"
+    ]
+    assert ".venv" not in result.stdout, result.stdout
+    # Its default connector and the Redis backend (the user's Redis) need none.
+    assert syspkgs.for_demo([]) == []
+    redis = '{"kv_connector": "StoreConnector", "kv_connector_extra_config": '
+    redis += '{"backend": "redis", "redis_url": "redis://h:6379/0"}}'
+    assert syspkgs.for_demo(["--kv-transfer-config", redis]) == []

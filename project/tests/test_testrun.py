@@ -4,8 +4,10 @@ pytest run or a stand-in for the tool it calls."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
+from conftest import REPO
 from workbench import testrun
 
 HOOKS_OUTPUT = """\
@@ -85,3 +87,95 @@ def test_a_step_that_gives_no_verdict_fails(tmp_path: Path):
     assert verdict.failed == 1
     lines, status = testrun.summary([verdict])
     assert status == 1 and lines[-1] == "=== 0 passed, 1 failed ==="
+
+
+def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
+    """The hooks, the workbench's tests, then ``wb regress``, each with its
+    commands and output in its log, nothing on stdout, and their verdicts."""
+    tools = executable(
+        tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
+    )
+    counts = {"passed": 7, "regressions": 0, "known_failures": 0, "retired": 0}
+    executable(
+        tmp_path / "wb",
+        "import json, sys\n"
+        "out = sys.argv[sys.argv.index('--summary-json') + 1]\n"
+        f"open(out, 'w').write(json.dumps({counts!r}))\n"
+        "print('regress output')",
+    )
+    tests = tmp_path / "project" / "tests"
+    tests.mkdir(parents=True)
+    for path in testrun.WORKBENCH_TESTS:
+        (tmp_path / path).write_text("def test_a(): pass\n")
+    (tests / "test_e2e.py").write_text("def test_b(): pass\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    hooks, workbench, upstream = testrun._beside(
+        tmp_path, tools, Path(sys.executable), [], logs
+    )
+    assert (hooks.passed, hooks.failed) == (2, 1)
+    # Only the workbench's own test files, none other.
+    assert (workbench.passed, workbench.failed) == (len(testrun.WORKBENCH_TESTS), 0)
+    assert (upstream.passed, upstream.failed) == (7, 0)
+    assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
+    assert "--durations=25" in (logs / "workbench-tests.log").read_text()
+    log = (logs / "upstream.log").read_text().splitlines()
+    assert log[0].startswith("$ ") and "regress --python" in log[0]
+    assert log[1:] == ["regress output"]
+
+
+def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """The whole of ``./wb test`` with each step's tool stood in for: the
+    steps beside finish during the end-to-end tests, and their logs and
+    verdicts follow those tests' verdict, then the count."""
+    beside_ran = threading.Event()
+
+    def hooks(root, tools, out):
+        print("hook output", file=out)
+        return testrun.Verdict("project hooks", 3, 0, "3 hooks passed")
+
+    def upstream_tests(root, python, out):
+        print("regress output", file=out)
+        beside_ran.set()
+        return testrun.Verdict("upstream and stack tests", 5, 0, "0 regressions")
+
+    def project_tests(root, python, env, rest, paths=(), ignore=(), name="", out=None):
+        assert rest == ["-k", "x"]
+        if name == "workbench tests":
+            assert paths == testrun.WORKBENCH_TESTS and out is not None
+            print("workbench output", file=out)
+            return testrun.Verdict(name, 2, 0, "2 passed")
+        assert beside_ran.wait(30), "the steps beside did not run meanwhile"
+        assert env["KVLC_REQUIRE_E2E"] == "1" and ignore == testrun.WORKBENCH_TESTS
+        return testrun.Verdict("project tests", 7, 1, "7 passed, 1 failed")
+
+    python = Path(sys.executable)
+    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
+    for name in ("ensure", "ensure_unpatched", "ensure_lmcache"):
+        monkeypatch.setattr(testrun.devenv, name, lambda root: python)
+    monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
+    monkeypatch.setattr(testrun, "_hooks", hooks)
+    monkeypatch.setattr(testrun, "_upstream_tests", upstream_tests)
+    monkeypatch.setattr(testrun, "_project_tests", project_tests)
+    assert testrun.run(tmp_path, ["-k", "x"]) == 1
+    out = capsys.readouterr().out
+    order = [
+        "=== project tests: FAIL: 7 passed, 1 failed",
+        "hook output",
+        "=== project hooks: PASS: 3 hooks passed",
+        "workbench output",
+        "=== workbench tests: PASS: 2 passed",
+        "regress output",
+        "=== upstream and stack tests: PASS: 0 regressions",
+        "=== summary",
+        "=== 17 passed, 1 failed ===",
+    ]
+    positions = [out.index(line) for line in order]
+    assert positions == sorted(positions), out
+
+
+def test_workbench_tests_are_test_files_of_the_project():
+    assert all((REPO / path).is_file() for path in testrun.WORKBENCH_TESTS)

@@ -21,6 +21,7 @@ from workbench import (
     refresh,
     regress,
     stack,
+    syspkgs,
     testrun,
     upstream,
 )
@@ -113,10 +114,16 @@ def cmd_venv(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    python = tools_python("bench", BENCH_TOOLS)
     # --ttft picks the other benchmark; the rest of the arguments go to it.
-    script = "ttft.py" if "--ttft" in args.rest else "run.py"
+    ttft = "--ttft" in args.rest
     rest = [a for a in args.rest if a != "--ttft"]
+    # Its peers' system packages before any environment is built.
+    if ttft and not syspkgs.ensure(
+        args.root, "./wb bench --ttft", syspkgs.for_ttft(rest)
+    ):
+        return 1
+    python = tools_python("bench", BENCH_TOOLS)
+    script = "ttft.py" if ttft else "run.py"
     return _call([str(python), str(args.root / "project" / "bench" / script), *rest])
 
 

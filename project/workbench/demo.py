@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from workbench import devenv
+from workbench import devenv, syspkgs
 
 INTERRUPTED = 128 + signal.SIGINT
 
@@ -49,5 +49,8 @@ def run(root: Path, rest: list[str]) -> int:
     if {"-h", "--help"} & set(rest):
         # The script's parser needs nothing but the standard library.
         return run_child([sys.executable, str(script), "--help"], echo=False)
+    # Its connector's system packages before the environment is built.
+    if not syspkgs.ensure(root, "./wb demo", syspkgs.for_demo(rest)):
+        return 1
     python = devenv.ensure(root, demo_only=True)
     return run_child([str(python), str(script), *rest])

@@ -2,11 +2,17 @@
 
 First the system packages the end-to-end tests need (``project/ci/
 system-packages``: installed when possible, else it stops at once with one
-line), then the environments, then three steps: the project's hooks, the
-project's tests, upstream's and the stack's tests (``wb regress``). Each step
-ends with one verdict line; the last line counts tests in the form CI
-runners read (``N passed, M failed``), where a failure of the unpatched
-release that the patched build shares is not counted: only regressions are.
+line), then the environments, then four steps: the project's hooks, the
+project's end-to-end tests, the workbench's own tests (``WORKBENCH_TESTS``),
+upstream's and the stack's tests (``wb regress``). The end-to-end tests
+leave one of a 2-core runner's cores idle most of the time (pytest and an
+engine's start keep one busy; the rest is waiting on servers and stores), so
+the other three steps run beside them, their output held in logs and printed
+after the end-to-end tests (pytest's ``--durations`` reports show where time
+went). Each step ends with one verdict line; the last line counts tests in
+the form CI runners read (``N passed, M failed``), where a failure of the
+unpatched release that the patched build shares is not counted: only
+regressions are.
 """
 
 from __future__ import annotations
@@ -18,13 +24,13 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
-from workbench import devenv
+from workbench import devenv, syspkgs, upstream
 from workbench.tools import tools_python
-
-SYSTEM_PACKAGES = "project/ci/system-packages"
 
 
 @dataclass
@@ -41,19 +47,33 @@ class Verdict:
         return f"=== {self.name}: {word}: {self.detail}"
 
 
-def _call(cmd: list[str], root: Path, env: dict[str, str] | None = None) -> int:
-    print(f"$ {' '.join(cmd)}", flush=True)
-    return subprocess.call(cmd, cwd=root, env={**os.environ, **(env or {})})
+def _call(
+    cmd: list[str],
+    root: Path,
+    env: dict[str, str] | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Run ``cmd``; it and its output go to ``out`` (a file; default: stdout)."""
+    print(f"$ {' '.join(cmd)}", file=out or sys.stdout, flush=True)
+    return subprocess.call(
+        cmd,
+        cwd=root,
+        env={**os.environ, **(env or {})},
+        stdout=out,
+        stderr=None if out is None else subprocess.STDOUT,
+    )
 
 
-def _hooks(root: Path, tools: Path) -> Verdict:
-    """pre-commit's hooks; each hook is one test."""
+def _hooks(root: Path, tools: Path, out: TextIO | None = None) -> Verdict:
+    """pre-commit's hooks; each hook is one test. The command and its output
+    go to ``out`` (default: stdout)."""
+    out = out or sys.stdout
     cmd = [str(tools), "-m", "pre_commit", "run", "--all-files", "--color", "never"]
-    print(f"$ {' '.join(cmd)}", flush=True)
+    print(f"$ {' '.join(cmd)}", file=out, flush=True)
     proc = subprocess.run(
         cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    print(proc.stdout, end="", flush=True)
+    print(proc.stdout, end="", file=out, flush=True)
     results = re.findall(r"^(.*?)\.{3,}(?:\(.*\))?(Passed|Failed|Skipped)$",
                          proc.stdout, re.MULTILINE)  # fmt: skip
     failed = [name.strip() for name, result in results if result == "Failed"]
@@ -67,16 +87,26 @@ def _hooks(root: Path, tools: Path) -> Verdict:
 
 
 def _project_tests(
-    root: Path, python: Path, env: dict[str, str], rest: list[str]
+    root: Path,
+    python: Path,
+    env: dict[str, str],
+    rest: list[str],
+    paths: tuple[str, ...] = ("project/tests",),
+    ignore: tuple[str, ...] = (),
+    name: str = "project tests",
+    out: TextIO | None = None,
 ) -> Verdict:
-    """The project's pytest suite, counted from its JUnit XML."""
+    """The project's pytest suite (``paths`` less ``ignore``), counted from
+    its JUnit XML; its output goes to ``out`` (a file; default: stdout)."""
     with tempfile.TemporaryDirectory(prefix="kvlc-test-") as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider"]
-        cmd += [f"--junitxml={junit}", "project/tests", *rest]
-        status = _call(cmd, root, env)
+        # Every CI log shows where the time goes.
+        cmd += ["--durations=25", f"--junitxml={junit}", *paths]
+        cmd += [f"--ignore={path}" for path in ignore] + rest
+        status = _call(cmd, root, env, out)
         if not junit.exists():
-            return Verdict("project tests", 0, 1, f"pytest exited {status}, no report")
+            return Verdict(name, 0, 1, f"pytest exited {status}, no report")
         suites = ET.parse(junit).getroot().iter("testsuite")
         total = {k: 0 for k in ("tests", "failures", "errors", "skipped")}
         for suite in suites:
@@ -84,20 +114,22 @@ def _project_tests(
                 total[key] += int(suite.get(key, 0))
     failed = total["failures"] + total["errors"]
     passed = total["tests"] - failed - total["skipped"]
-    if status != 0 and not failed:
+    # 5: pytest collected nothing (``rest`` selected no test of these paths).
+    if status not in (0, 5) and not failed:
         failed = 1  # pytest itself failed (usage error, interrupted)
     detail = f"{passed} passed, {failed} failed, {total['skipped']} skipped"
-    return Verdict("project tests", passed, failed, detail)
+    return Verdict(name, passed, failed, detail)
 
 
-def _upstream_tests(root: Path, python: Path) -> Verdict:
-    """``wb regress --fast --stack``: only regressions count as failures."""
+def _upstream_tests(root: Path, python: Path, out: TextIO | None = None) -> Verdict:
+    """``wb regress --fast --stack``: only regressions count as failures. Its
+    output goes to ``out`` (a file; default: stdout)."""
     name = "upstream and stack tests"
     with tempfile.TemporaryDirectory(prefix="kvlc-test-") as tmp:
         summary = Path(tmp) / "summary.json"
         cmd = [sys.executable, str(root / "wb"), "regress", "--python", str(python)]
         cmd += ["--fast", "--stack", "--summary-json", str(summary)]
-        status = _call(cmd, root)
+        status = _call(cmd, root, out=out)
         if not summary.exists():
             return Verdict(name, 0, 1, f"wb regress exited {status} with no verdict")
         counts = json.loads(summary.read_text())
@@ -109,28 +141,85 @@ def _upstream_tests(root: Path, python: Path) -> Verdict:
     return Verdict(name, counts["passed"], counts["regressions"], detail)
 
 
+# The workbench's own tests: no engine, mostly git, zip and file copies (the
+# CUDA wheel's repack, the trial stack's checks). They run beside the
+# end-to-end tests.
+WORKBENCH_TESTS = tuple(
+    f"project/tests/{name}"
+    for name in (
+        "test_workbench.py",
+        "test_build_cuda.py",
+        "test_prefixes.py",
+        "test_regress.py",
+        "test_declared.py",
+        "test_tools_env.py",
+    )
+)
+# Each step run beside the project's end-to-end tests, and its log.
+BESIDE_LOGS = ("hooks.log", "workbench-tests.log", "upstream.log")
+
+
+def _beside(
+    root: Path, tools: Path, python: Path, rest: list[str], logs: Path
+) -> list[Verdict]:
+    """The hooks, the workbench's tests, then upstream's and the stack's
+    tests: the steps that run beside the project's end-to-end tests, each
+    with its output in its log (``BESIDE_LOGS``)."""
+    hooks, workbench, regress = (logs / name for name in BESIDE_LOGS)
+    with hooks.open("w") as out:
+        verdicts = [_hooks(root, tools, out)]
+    with workbench.open("w") as out:
+        env = {"KVLC_REQUIRE_E2E": "1"}
+        verdicts.append(
+            _project_tests(
+                root,
+                python,
+                env,
+                rest,
+                WORKBENCH_TESTS,
+                name="workbench tests",
+                out=out,
+            )
+        )
+    with regress.open("w") as out:
+        verdicts.append(_upstream_tests(root, python, out))
+    return verdicts
+
+
 def run(root: Path, rest: list[str]) -> int:
     """The whole of ``./wb test``; ``rest`` goes to the project's pytest."""
     # Seconds, not minutes after the install, when it cannot go on.
-    if subprocess.call([str(root / SYSTEM_PACKAGES)]) != 0:
+    if not syspkgs.ensure(root):
         return 1
     python = devenv.ensure(root)
     tools = tools_python()
-    # The end-to-end tests compare with the release and must not skip in CI.
-    unpatched = devenv.ensure_unpatched(root)
-    devenv.ensure_lmcache(root)
-    e2e_env = {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
-    verdicts = []
-    print("=== project hooks", flush=True)
-    verdicts.append(_hooks(root, tools))
-    print(verdicts[-1].line(), flush=True)
-    print("=== project tests", flush=True)
-    verdicts.append(_project_tests(root, python, e2e_env, rest))
-    print(verdicts[-1].line(), flush=True)
-    print("=== upstream and stack tests", flush=True)
-    verdicts.append(_upstream_tests(root, python))
-    print(verdicts[-1].line(), flush=True)
-    lines, status = summary(verdicts)
+    # Both lanes below read the pristine tree; its unpack must not race.
+    upstream.pristine_tree()
+    # pytest keeps one core busy, and an engine's start mostly one: the
+    # end-to-end tests leave the second core of a 2-core runner idle most of
+    # the time. The hooks, the workbench's tests (I/O more than CPU) and
+    # upstream's tests run there, beside the other environments' installs
+    # and the end-to-end tests; their output waits for those.
+    logs = root / "build" / "wb-test"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"=== hooks, workbench and upstream tests: running beside, logs in {logs}")
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(_beside, root, tools, python, rest, logs)
+        # The end-to-end tests compare with the release and must not skip in CI.
+        unpatched = devenv.ensure_unpatched(root)
+        devenv.ensure_lmcache(root)
+        e2e_env = {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
+        print("=== project tests", flush=True)
+        tests = _project_tests(root, python, e2e_env, rest, ignore=WORKBENCH_TESTS)
+        print(tests.line(), flush=True)
+        if not beside.done():
+            print("=== waiting for the steps beside", flush=True)
+        steps = beside.result()
+    for verdict, log in zip(steps, BESIDE_LOGS, strict=True):
+        print(f"=== {verdict.name} (ran beside; {logs / log})", flush=True)
+        print((logs / log).read_text(), end="", flush=True)
+        print(verdict.line(), flush=True)
+    lines, status = summary([steps[0], tests, *steps[1:]])
     print("\n".join(lines), flush=True)
     return status
 
