@@ -114,6 +114,8 @@ def cmd_venv(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if "--gpu" in args.rest:
+        return _bench_gpu(args.root, [a for a in args.rest if a != "--gpu"])
     # --ttft picks the other benchmark; the rest of the arguments go to it.
     ttft = "--ttft" in args.rest
     rest = [a for a in args.rest if a != "--ttft"]
@@ -125,6 +127,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     python = tools_python("bench", BENCH_TOOLS)
     script = "ttft.py" if ttft else "run.py"
     return _call([str(python), str(args.root / "project" / "bench" / script), *rest])
+
+
+def _bench_gpu(root: Path, rest: list[str]) -> int:
+    """``./wb bench --gpu``: project/bench/gpu_ttft.py with the patched CUDA
+    build in ``.venv`` (``./wb venv`` builds it where an NVIDIA GPU is)."""
+    device, why = build.target_device()
+    if device != "cuda" and "--help" not in rest:
+        print(
+            f"./wb bench --gpu needs an NVIDIA GPU: {why}",
+            file=sys.stderr,
+        )
+        return 1
+    script = root / "project" / "bench" / "gpu_ttft.py"
+    python = devenv.ensure(root) if "--help" not in rest else Path(sys.executable)
+    return _call([str(python), str(script), *rest])
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -260,7 +277,9 @@ def parser() -> argparse.ArgumentParser:
         "patched vs unpatched vLLM: scheduler step, worker hook, serve; writes "
         "project/docs/benchmarks.md (./wb bench --help); with --ttft: TTFT of a "
         "repeated prompt per external KV cache, project/docs/ttft.md "
-        "(./wb bench --ttft --help)",
+        "(./wb bench --ttft --help); with --gpu: on an NVIDIA GPU, TTFT of "
+        "recompute, OffloadingConnector and StoreConnector hits "
+        "(./wb bench --gpu --help; results in project/docs/gpu.md)",
     )
     add(
         "test",
