@@ -203,9 +203,11 @@ def test_read_only_store_serves_hits_and_saves_nothing(setup):
 
 def test_store_turned_read_only_logs_one_outage_and_its_end(setup):
     """The writer's store turns read-only while it serves (a full or
-    remounted disk): the failures are logged once, saves and lookups skip
-    the store meanwhile (plain misses, same output), and its end is logged
-    once, when writing works again."""
+    remounted disk): the failed saves are logged once and skipped meanwhile
+    (new prompts are plain misses, same output); stored chunks are still
+    served, without a lease (nothing can evict them now: the failed lease
+    write is logged, not taken for a failed read); the end is logged once,
+    when writing works again."""
     writer: Engine = setup["writer"]
     store: Path = setup["store"]
     start = len(writer.server.log_text())
@@ -217,34 +219,32 @@ def test_store_turned_read_only_logs_one_outage_and_its_end(setup):
             new = writer.complete(prompt(f"while-read-only-{i}"))
             assert new.cached_tokens == 0
             again = writer.complete(prompt("shared"))
-            assert again.cached_tokens == 0  # no lease: a miss
+            assert again.cached_tokens == 2 * BLOCK  # served without a lease
             assert_same_output(again, setup["stored"])
             i += 1
         during = writer.server.log_text()[start:]
         assert during.count("store write failed, skipping saves") == 1, during
-        assert during.count("store read failed, running on misses") == 1, during
+        assert "lease write to store directory" in during, during
+        assert "store read failed" not in during, during
         assert "store write works again" not in during
-        assert "store read works again" not in during
     finally:
         remount(writer, store, "rw")
     deadline = time.monotonic() + 150  # past the longest wait between retries
-    hit: Answer | None = None
     i = 0
     while time.monotonic() < deadline:
         stored = writer.complete(prompt(f"writable-again-{i}"))
         repeat = writer.complete(prompt(f"writable-again-{i}"))
-        hit = writer.complete(prompt("shared"))
-        if repeat.cached_tokens and hit.cached_tokens:
+        if repeat.cached_tokens:
             assert_same_output(repeat, stored)
             break
         i += 1
         time.sleep(1)
-    assert hit is not None and hit.cached_tokens == 2 * BLOCK
-    assert_same_output(hit, setup["stored"])
+    else:
+        raise AssertionError("saves never resumed")
     after = writer.server.log_text()[start:]
     assert after.count("store write works again") == 1, after
-    assert after.count("store read works again") == 1, after
-    assert after.count("failed, ") == 2, after
+    assert "lease writes to store directory" in after, after
+    assert "store read failed" not in after, after
 
 
 def test_damaged_chunk_under_the_default_policy_fails_its_request(setup):
