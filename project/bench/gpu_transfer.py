@@ -42,14 +42,21 @@ def timed(fn, reps: int) -> float:
 def measure(
     layout: BlockLayout, ids: list[int], staged: bool, reps: int
 ) -> tuple[float, float]:
-    """(save, load) seconds of one batch of blocks ``ids``."""
+    """(save, load) seconds of one batch of blocks ``ids``: pointer copies
+    to and from consecutive chunk payloads in pinned memory (the host
+    tier's path), or staged through the pool."""
     n = len(ids)
-    transfer = DeviceTransfer(layout, 2 * n * layout.block_bytes, staged=staged)
+    transfer = DeviceTransfer(layout, 2 * n * layout.block_bytes)
     region = transfer.pool.take(n)
     assert region.count == n
-    save = timed(lambda: transfer.wait(transfer.gather(ids, region, None)), reps)
-    rows = list(range(n))
-    load = timed(lambda: transfer.wait(transfer.scatter(ids, rows, region)), reps)
+    if staged:
+        save = timed(lambda: transfer.wait(transfer.gather(ids, region, None)), reps)
+        rows = list(range(n))
+        load = timed(lambda: transfer.wait(transfer.scatter(ids, rows, region)), reps)
+    else:
+        at = [region.host.data_ptr() + j * layout.block_bytes for j in range(n)]
+        save = timed(lambda: transfer.wait(transfer.save_to(ids, at, None)), reps)
+        load = timed(lambda: transfer.wait(transfer.load_from(ids, at)), reps)
     transfer.pool.give(region)
     return save, load
 

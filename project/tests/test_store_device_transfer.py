@@ -107,16 +107,13 @@ def raw(kv: dict[str, torch.Tensor]) -> list[bytes]:
     ]
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["pointers", "staged"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gather_is_the_per_block_payload(
-    layout: str, dtype: torch.dtype, device: str, staged: bool
-):
+def test_gather_is_the_per_block_payload(layout: str, dtype: torch.dtype, device: str):
     kv = caches(layout, dtype, 1, device)
     per_block = BlockLayout(kv, NB)
-    transfer = DeviceTransfer(per_block, 64 * per_block.block_bytes, staged=staged)
+    transfer = DeviceTransfer(per_block, 64 * per_block.block_bytes)
     assert transfer.block_bytes == per_block.block_bytes
     ids = [5, 0, 3, 6]  # scattered, out of order
     region = transfer.pool.take(len(ids))
@@ -126,12 +123,11 @@ def test_gather_is_the_per_block_payload(
         assert b"".join(parts) == bytes(per_block.staged(b).numpy())
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["pointers", "staged"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_scatter_writes_what_unstage_writes(
-    layout: str, dtype: torch.dtype, device: str, staged: bool
+    layout: str, dtype: torch.dtype, device: str
 ):
     """Payloads of other blocks scattered into blocks 1, 4 and 2 (one of a
     batch's rows left out, as a chunk that failed its checks is): the KV
@@ -146,9 +142,7 @@ def test_scatter_writes_what_unstage_writes(
         reference.unstage(b, payloads[row])
 
     kv = caches(layout, dtype, 1, device)
-    transfer = DeviceTransfer(
-        BlockLayout(kv, NB), 64 * reference.block_bytes, staged=staged
-    )
+    transfer = DeviceTransfer(BlockLayout(kv, NB), 64 * reference.block_bytes)
     region = transfer.pool.take(len(payloads))
     for j, payload in enumerate(payloads):
         data = memoryview(payload.numpy())
@@ -176,9 +170,9 @@ def test_one_batched_copy_per_batch_and_direction(
     """A batch is one call of the batched copy (vLLM's ``swap_blocks_batch``
     on CUDA), one pointer copy per contiguous run of each block in each
     layer; the source is read in any order only for loads (nothing writes
-    the pinned pool), never for saves (the forward writes the KV cache). A
-    layout whose payload order is not its memory order goes through
-    staging instead and makes no such call."""
+    host memory), never for saves (the forward writes the KV cache). A
+    layout whose payload order is not its memory order is staged instead
+    (``gather``, ``scatter``) and makes no such call."""
     calls: list[tuple[int, bool]] = []
 
     def recording(
@@ -190,17 +184,22 @@ def test_one_batched_copy_per_batch_and_direction(
         host_copy_batch(src, dst, sizes, any_order)
 
     kv = caches(layout, torch.float16, 1)
-    transfer = DeviceTransfer(BlockLayout(kv, NB), 64 * 1024, copy_batch=recording)
+    block_layout = BlockLayout(kv, NB)
+    transfer = DeviceTransfer(block_layout, 64 * 1024, copy_batch=recording)
     assert transfer.batched_copies == (runs_per_layer is not None)
-    region = transfer.pool.take(3)
-    transfer.gather([4, 1, 6], region, None)
-    transfer.scatter([2, 0], [0, 2], region)
     if runs_per_layer is None:
+        region = transfer.pool.take(3)
+        transfer.gather([4, 1, 6], region, None)
+        transfer.scatter([2, 0], [0, 2], region)
         assert calls == []
-    else:
-        layers = len(kv)
-        assert calls == [(3 * layers * runs_per_layer, False),
-                         (2 * layers * runs_per_layer, True)]  # fmt: skip
+        return
+    host = torch.empty(3 * block_layout.block_bytes, dtype=torch.uint8)
+    payloads = [host.data_ptr() + j * block_layout.block_bytes for j in range(3)]
+    transfer.save_to([4, 1, 6], payloads, None)
+    transfer.load_from([2, 0], payloads[:2])
+    layers = len(kv)
+    assert calls == [(3 * layers * runs_per_layer, False),
+                     (2 * layers * runs_per_layer, True)]  # fmt: skip
 
 
 def test_pool_hands_out_runs_up_to_half_and_merges_them_back():

@@ -24,11 +24,12 @@ and token) would need thousands of runs per block; it is gathered through a
 device staging buffer instead (``index_select`` / ``index_copy_`` per
 layer), its index tensors sent from pinned memory without a host sync.
 
-In host memory a batch of ``k`` blocks is laid out layer by layer (layer
-``l``'s ``k`` rows together). A chunk's payload is its block's row of every
-layer in layer order: the same bytes as the per-block path
-(``BlockLayout.staged``), handed to the backends as a list of buffers
-(``writev`` / ``preadv``).
+A chunk's payload is its block's row of every layer in layer order: the
+same bytes as the per-block path (``BlockLayout.staged``). Pointer copies
+put it in one place (a host tier slot); a staged batch of ``k`` blocks is
+laid out layer by layer (layer ``l``'s ``k`` rows together), and a chunk's
+payload is handed to the backends as a list of buffers (``writev`` /
+``preadv``).
 
 With a KV cache on the CPU (the tests) the same pointer lists are executed
 with ``memmove``, in the caller's order, with no stream and no events.
@@ -82,15 +83,11 @@ class _RunTable:
     """Every contiguous run of a block row, over all layers, as columns.
 
     Block ``b``'s run ``r`` is at ``device[r] + b * step[r]`` in the KV
-    cache; in a host region of ``n`` blocks, row ``j``'s copy of it is at
-    ``n * layer[r] + j * row[r] + offset[r]`` from the region's start; in
-    one chunk's payload, at ``layer[r] + offset[r]``.
+    cache, and at ``offset[r]`` in the block's chunk payload.
     """
 
     device: torch.Tensor
     step: torch.Tensor
-    layer: torch.Tensor
-    row: torch.Tensor
     offset: torch.Tensor
     size: torch.Tensor
 
@@ -98,7 +95,7 @@ class _RunTable:
     def of(cls, blocks: Sequence[torch.Tensor]) -> _RunTable | None:
         """The table of ``blocks`` (``BlockLayout.block_major``), or None if
         a row has more than ``MAX_RUNS_PER_ROW`` runs."""
-        cols: list[list[int]] = [[], [], [], [], [], []]
+        cols: list[list[int]] = [[], [], [], []]
         layer_start = 0
         for view in blocks:
             size = view.element_size()
@@ -111,31 +108,15 @@ class _RunTable:
                     runs.append((ptr, nbytes))
             if len(runs) > MAX_RUNS_PER_ROW:
                 return None
-            row = view[0].numel() * size
-            offset = 0
+            offset = layer_start
             for ptr, nbytes in runs:
                 for col, value in zip(
-                    cols,
-                    (ptr, view.stride(0) * size, layer_start, row, offset, nbytes),
-                    strict=True,
+                    cols, (ptr, view.stride(0) * size, offset, nbytes), strict=True
                 ):
                     col.append(value)
                 offset += nbytes
-            layer_start += row
+            layer_start += view[0].numel() * size
         return cls(*(torch.tensor(col, dtype=torch.int64) for col in cols))
-
-    def pointers(
-        self, block_ids: Sequence[int], rows: Sequence[int], region: Region
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(KV cache, host, size) of every run of blocks ``block_ids``, whose
-        copies are the region's rows ``rows``."""
-        ids = torch.tensor(block_ids, dtype=torch.int64)[:, None]
-        js = torch.tensor(rows, dtype=torch.int64)[:, None]
-        device = self.device + ids * self.step
-        host = region.host.data_ptr() + region.count * self.layer
-        host = host + js * self.row + self.offset
-        size = self.size.expand(len(block_ids), -1)
-        return device.reshape(-1), host.reshape(-1), size.reshape(-1).contiguous()
 
     def pointers_at(
         self, block_ids: Sequence[int], payloads: Sequence[int]
@@ -145,7 +126,7 @@ class _RunTable:
         ids = torch.tensor(block_ids, dtype=torch.int64)[:, None]
         starts = torch.tensor(payloads, dtype=torch.int64)[:, None]
         device = self.device + ids * self.step
-        host = starts + self.layer + self.offset
+        host = starts + self.offset
         size = self.size.expand(len(block_ids), -1)
         return device.reshape(-1), host.reshape(-1), size.reshape(-1).contiguous()
 
@@ -233,7 +214,11 @@ class HostPool:
 
 
 class DeviceTransfer:
-    """Gathers and scatters of one worker's KV cache through a ``HostPool``.
+    """Copies of one worker's KV cache to and from host memory: by pointer
+    copies between the KV cache and chunk payloads anywhere in host memory
+    (``save_to``, ``load_from``: the host tier's slots), or, for a layout
+    with too many runs per block for those, staged through a ``HostPool``
+    (``gather``, ``scatter``).
 
     On CUDA the copies run on a side stream, each batch ending with an event
     (``wait`` blocks on it); elsewhere they run in the caller's order, the
@@ -245,8 +230,6 @@ class DeviceTransfer:
             now, pinned on CUDA.
         copy_batch: runs a batch of pointer copies; vLLM's
             ``swap_blocks_batch`` on CUDA, ``memmove`` on the CPU.
-        staged: gather and scatter through a staging buffer even where
-            pointer copies could run (tests compare the two).
     """
 
     def __init__(
@@ -254,7 +237,6 @@ class DeviceTransfer:
         layout: BlockLayout,
         pool_bytes: int,
         copy_batch: CopyBatch | None = None,
-        staged: bool = False,
     ) -> None:
         self.device = layout.device
         self._blocks = layout.block_major()
@@ -266,14 +248,15 @@ class DeviceTransfer:
         # Asynchronous host copies only where an event tells when they end.
         self._async_copies = cuda
         self._compute_done: torch.cuda.Event | None = None
-        self._runs = None if staged else _RunTable.of(self._blocks)
+        self._runs = _RunTable.of(self._blocks)
         if copy_batch is None:
             copy_batch = cuda_copy_batch if cuda else host_copy_batch
         self._copy_batch = copy_batch
 
     @property
     def batched_copies(self) -> bool:
-        """Whether blocks move by pointer copies (else through staging)."""
+        """Whether this layout moves by pointer copies (``save_to``,
+        ``load_from``); ``gather`` and ``scatter`` move any layout."""
         return self._runs is not None
 
     # -- ordering ---------------------------------------------------------
@@ -352,15 +335,10 @@ class DeviceTransfer:
         after: torch.cuda.Event | None,
     ) -> torch.cuda.Event | None:
         """Queue the copy of blocks ``block_ids`` (``region.count`` of them)
-        into ``region``, after ``after`` (the forward that computed them)."""
+        into ``region`` through a device staging buffer, after ``after``
+        (the forward that computed them)."""
         assert len(block_ids) == region.count
         with self._side(after):
-            if self._runs is not None:
-                kv, host, size = self._runs.pointers(
-                    block_ids, range(region.count), region
-                )
-                self._copy_batch(kv, host, size, False)
-                return self._done()
             # Allocated on the side stream: reused only after its copies.
             staging = self._staging(region)
             idx = self._index(block_ids)
@@ -398,6 +376,8 @@ class DeviceTransfer:
             return None
         with self._side(self._compute_done):
             kv, host, size = self._runs.pointers_at(block_ids, payloads)
+            # Nothing on the device writes host memory, so the source may be
+            # read in any order.
             self._copy_batch(host, kv, size, True)
             return self._done()
 
@@ -406,16 +386,11 @@ class DeviceTransfer:
     ) -> torch.cuda.Event | None:
         """Queue the copy of ``region``'s blocks ``rows`` into blocks
         ``block_ids``, after the work the caller's stream had queued at the
-        last ``mark_compute`` (the blocks' previous users)."""
+        last ``mark_compute`` (the blocks' previous users), through a device
+        staging buffer."""
         if not block_ids:
             return None
         with self._side(self._compute_done):
-            if self._runs is not None:
-                kv, host, size = self._runs.pointers(block_ids, rows, region)
-                # Nothing on the device writes the pinned region, so the
-                # source may be read in any order.
-                self._copy_batch(host, kv, size, True)
-                return self._done()
             staging = self._staging(region)
             if staging is not region.host:
                 staging.copy_(region.host, non_blocking=self._async_copies)
