@@ -462,10 +462,19 @@ def redis_chunks(client: redis_lib.Redis) -> dict[str, bytes]:
     return out
 
 
+def decode_stored(key: str, data: bytes) -> None:
+    """Check the whole chunk ``key`` a server stored (ChunkError on a partial
+    one), and that the scheduler keyed it by the KV layout its workers wrote
+    it under (their handshake metadata reached it)."""
+    header, _ = read_header(data)
+    identity, layout = str(header["identity"]), str(header["layout"])
+    assert key.split("/", 1)[0] == f"{identity}-{layout}"
+    decode_chunk(data, identity, key, layout)
+
+
 def assert_every_chunk_decodes(chunks: dict[str, bytes]) -> None:
     for key, data in chunks.items():
-        identity = key.split("/", 1)[0]
-        decode_chunk(data, identity, key)  # raises ChunkError on a partial chunk
+        decode_stored(key, data)
 
 
 def open_leases(client: redis_lib.Redis) -> dict[str, int]:
@@ -685,7 +694,7 @@ def test_directory_write_killed_midway_leaves_no_readable_chunk(
     (part,) = partial
     assert 0 < part.stat().st_size < copy.stat().st_size
     for k, p in dir_chunks(store).items():
-        decode_chunk(p.read_bytes(), k.split("/", 1)[0], k)
+        decode_stored(k, p.read_bytes())
 
     corrupt_before = engine.store_metrics().get(
         "vllm:kvlc_store_corrupt_chunks_total", 0

@@ -29,7 +29,7 @@ import serve_demo  # noqa: E402
 from make_model import make_model  # noqa: E402
 
 # Every prompt the tests send; the reference server answers each once.
-TAGS = ("tp", "split", "truncated", "foreign", "deleted")
+TAGS = ("tp", "split", "truncated", "foreign", "kv-layout", "deleted")
 
 
 def first_block_only(text: str) -> str:
@@ -174,7 +174,7 @@ def test_truncated_chunk_is_a_miss_with_one_warning(tp2, reference, root):
     assert_matches(third, reference["truncated"])
 
 
-def test_chunk_of_another_layout_is_a_miss(tp2, reference, root):
+def test_chunk_of_another_identity_is_a_miss(tp2, reference, root):
     def foreign(data: bytes, path: Path) -> bytes:
         header, offset = read_header(data)
         return encode_chunk("0" * 24, str(header["key"]), data[offset:])
@@ -184,6 +184,30 @@ def test_chunk_of_another_layout_is_a_miss(tp2, reference, root):
     assert_matches(again, reference["foreign"])
     assert "unusable (foreign chunk" in tp2.server.log_text()
     assert tp2.store_metrics()["vllm:kvlc_store_corrupt_chunks_total"] > 0
+
+
+def test_chunk_of_another_kv_layout_is_a_miss_and_replaced(tp2, reference, root):
+    """Both ranks sent their KV layout to the scheduler (chunks are keyed by
+    it); a chunk whose header names another layout (what a server with
+    another attention backend or kernel block size writes) is refused by
+    each rank's worker lookup and replaced by this server's own save."""
+
+    def other_layout(data: bytes, path: Path) -> bytes:
+        header, offset = read_header(data)
+        layout = str(header["layout"])
+        assert path.parent.parent.name == f"{header['identity']}-{layout}"
+        return encode_chunk(
+            str(header["identity"]), str(header["key"]), data[offset:], "0" * 16
+        )
+
+    again = damage_and_repeat(tp2, root, "kv-layout", other_layout)
+    assert again.cached_tokens == 0
+    assert_matches(again, reference["kv-layout"])
+    log = tp2.server.log_text()
+    assert "unusable (written under KV layout '0000000000000000'" in log
+    third = tp2.complete(prompt("kv-layout"))  # this server's save replaced them
+    assert third.cached_tokens == 2 * BLOCK
+    assert_matches(third, reference["kv-layout"])
 
 
 def test_store_deleted_while_serving_keeps_answering(tp2, reference, root):

@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -93,6 +95,43 @@ except ImportError:
 HAS_LIFECYCLE = hasattr(KVConnectorBase_V1, "prepare_external_match")
 HAS_WORKER_HITS = hasattr(KVConnectorBase_V1, "before_update_states")
 HAS_SCHEDULER_CONTEXT = hasattr(KVConnectorBase_V1, "bind_scheduler_context")
+
+
+@dataclass
+class StoreLayoutHandshake(KVConnectorHandshakeMetadata):
+    """A worker's KV layout (``BlockLayout.digest``), sent to the scheduler
+    side once the KV cache is registered, before any request."""
+
+    kv_layout: str
+
+
+def workers_kv_layout(
+    metadata: dict[int, KVConnectorHandshakeMetadata], tp_size: int
+) -> str | None:
+    """The KV layout all ``tp_size`` workers reported in ``metadata`` (vLLM's
+    handshake metadata by TP rank, given to the scheduler side at startup),
+    or None, warned: then chunks are keyed without it, and a worker refuses
+    a chunk of another layout at load instead, as a damaged one.
+
+    MultiConnector passes on only its first child's handshake metadata: a
+    StoreConnector composed after a connector that has some (NixlConnector)
+    hears none of its own workers'."""
+    reports = [m for m in metadata.values() if isinstance(m, StoreLayoutHandshake)]
+    layouts = sorted({m.kv_layout for m in reports})
+    if len(layouts) == 1 and len(reports) == tp_size:
+        return layouts[0]
+    logger.warning(
+        "StoreConnector: %s; chunks are keyed without it, and a chunk written "
+        "by a server with another attention backend or kernel block size "
+        "fails its load once (kv_load_failure_policy) and is replaced, "
+        "instead of being a miss",
+        f"the workers report {len(layouts)} KV layouts ({', '.join(layouts)})"
+        if len(layouts) > 1
+        else f"the workers' KV layout did not reach the scheduler ({len(reports)} "
+        f"of {tp_size} ranks sent it; MultiConnector passes on only the first "
+        "connector's handshake metadata)",
+    )
+    return None
 
 
 class StoreConnector(KVConnectorBase_V1):
@@ -304,6 +343,20 @@ class StoreConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request), None
 
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        layout = workers_kv_layout(metadata, self._core.tp_size)
+        if layout is not None:
+            self._core.set_kv_layout(layout)
+            logger.info(
+                "StoreConnector: the workers' KV layout is %s; chunks are "
+                "keyed under %s-%s",
+                layout,
+                self._core.identity,
+                layout,
+            )
+
     # ------------------------------------------------------------------
     # Worker side
     # ------------------------------------------------------------------
@@ -316,6 +369,9 @@ class StoreConnector(KVConnectorBase_V1):
             self._kv_cache_config.num_blocks,
             get_tensor_model_parallel_rank(),
         )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return StoreLayoutHandshake(self._worker.layout.digest)
 
     def before_update_states(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         meta = scheduler_output.kv_connector_metadata

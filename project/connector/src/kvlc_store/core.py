@@ -131,6 +131,11 @@ class StoreCore:
         self.load_failure_policy = load_failure_policy
         self.backend = backend
         self.identity = identity
+        # Scheduler side: the workers' KV layout (``BlockLayout.digest``),
+        # once their handshake metadata names it (``set_kv_layout``); a
+        # worker checks chunks against its own.
+        self.kv_layout: str | None = None
+        self._key_prefix = identity
         self.tp_size = tp_size
         self.stats = stats if stats is not None else StoreConnectorStats()
         self._warned: set[str] = set()
@@ -149,10 +154,17 @@ class StoreCore:
         # when reads fail, once for the server.
         self._tells_read_outages = tells_read_outages
 
+    def set_kv_layout(self, layout: str) -> None:
+        """Key chunks by the workers' KV layout too (scheduler side): servers
+        whose attention backends store a block in another byte order keep
+        apart chunks, instead of refusing each other's at load."""
+        self.kv_layout = layout
+        self._key_prefix = f"{self.identity}-{layout}"
+
     def keys(self, block_hash: bytes) -> list[str]:
         """The chunk key of ``block_hash`` for each TP rank."""
         h = bytes(block_hash).hex()
-        return [f"{self.identity}/{h}.{r}" for r in range(self.tp_size)]
+        return [f"{self._key_prefix}/{h}.{r}" for r in range(self.tp_size)]
 
     def warn_once(self, what: str, message: str, *args: object) -> None:
         if what not in self._warned:

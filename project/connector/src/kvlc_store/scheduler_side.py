@@ -150,7 +150,7 @@ class SchedulerSide:
                 good = min(good, block)
                 continue
             try:
-                check_header(head[0], core.identity, key, head[1])
+                check_header(head[0], core.identity, key, head[1], core.kv_layout)
             except ChunkError as e:
                 core.bad_chunk(key, e)
                 good = min(good, block)

@@ -14,6 +14,9 @@ those batches are tested against.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 # Same-size integer types: gathers and scatters move a layer's elements as
@@ -75,6 +78,16 @@ class BlockLayout:
             if self._layers
             else 0
         )
+        # What the payload's byte order follows: per layer, a block's shape
+        # in the tensor's element order and its dtype. The attention backend
+        # picks both (its kernel block size splits a block's tokens, and
+        # some put heads before tokens), so servers with the same model and
+        # cache spec may differ here; the KV cache's size does not count.
+        described = [
+            [name, list(view.shape), str(view.dtype)]
+            for name, view in zip(sorted(kv_caches), self._views(0), strict=True)
+        ]
+        self.digest = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
     @property
     def device(self) -> torch.device:

@@ -3,7 +3,8 @@
 A load reads each planned chunk once, straight into its KV-cache block (a
 host KV cache; a cache on an accelerator through pinned host memory, in
 batches: ``device_transfer.py``), and checks it there: header, length and
-the payload's digest. A chunk that fails is deleted and its block reported
+the payload's digest, and that a worker of this KV layout wrote it (see
+``chunk.py``). A chunk that fails is deleted and its block reported
 through ``get_block_ids_with_load_errors``, so vLLM recomputes it
 (``kv_load_failure_policy: recompute``) instead of using it. A save writes
 the block's bytes straight from the KV cache after the chunk's header (on an
@@ -176,7 +177,9 @@ class WorkerSide:
                     yield block_id, key, None
                     continue
                 try:
-                    header = check_header(head[0], core.identity, key, head[1])
+                    header = check_header(
+                        head[0], core.identity, key, head[1], layout.digest
+                    )
                     check_payload(header, targets[i])
                 except ChunkError as e:
                     if buffer is not None:
@@ -365,7 +368,7 @@ class WorkerSide:
         assert readers is not None
         if not keys:
             return [], None
-        identity = self._core.identity
+        identity, layout = self._core.identity, self.layout.digest
         threads = READ_THREADS if isinstance(source, DirectoryBackend) else 1
         step = -(-len(keys) // threads)
         slices = [
@@ -373,6 +376,7 @@ class WorkerSide:
                 _read_checked,
                 source,
                 identity,
+                layout,
                 keys[k : k + step],
                 targets[k : k + step],
             )
@@ -585,7 +589,9 @@ class WorkerSide:
         if not core.usable("write"):
             return False
         size = sum(p.nbytes for p in parts)
-        header = encode_header(core.identity, key, size, checksum(parts))
+        header = encode_header(
+            core.identity, key, size, checksum(parts), self.layout.digest
+        )
         try:
             evicted = core.backend.put(key, [header, *parts])
         except BackendUnavailable as e:
@@ -630,6 +636,7 @@ class WorkerSide:
 def _read_checked(
     source: Backend | BufferReader,
     identity: str,
+    layout: str,
     keys: Sequence[str],
     targets: Sequence[Sequence[memoryview]],
 ) -> tuple[list[_Checked], BackendUnavailable | None]:
@@ -644,7 +651,7 @@ def _read_checked(
                 checked.append((None, None))
                 continue
             try:
-                header = check_header(head[0], identity, key, head[1])
+                header = check_header(head[0], identity, key, head[1], layout)
                 check_payload(header, into)
             except ChunkError as e:
                 checked.append((head, e))

@@ -1,0 +1,206 @@
+"""The host side of the connector's GPU path, on CPU tensors: what a hit and
+a save cost besides the copies over the link, where no GPU is at hand.
+
+A GPU worker's KV cache is replaced by host tensors of the same shape (per
+TP rank of Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128, 16-token
+blocks, 2 bytes per element, ``[2, num_blocks, heads, block, head_dim]`` as
+``LBHNC`` lays it out: 2 MiB per chunk, two runs per layer). The worker runs
+``start_batched_transfers``, the path ``register_kv_caches`` takes for a KV
+cache on a GPU, over a directory store in a temporary directory (page
+cache). For each prompt length it times, median of ``--reps`` after a
+warm-up:
+
+- ``save``: the step's ``wait_for_save`` until ``get_finished`` reports the
+  request: pointer copies into host tier slots, XXH3, the chunk writes;
+- ``hot hit``: ``start_load_kv`` of chunks the host tier holds;
+- ``hot hit, no copies``: the same with the pointer copies not executed:
+  the host's own work (pointer lists, tier bookkeeping), which a GPU hit
+  pays besides one ``swap_blocks_batch`` per batch;
+- ``cold hit``: ``start_load_kv`` with ``host_tier: 0``: the chunks read
+  from the store (page cache warm) by the read threads, checked, copied;
+- ``memcpy`` and ``read``: the floors, a torch copy of the same bytes and a
+  plain threaded read of the same chunk files.
+
+On CPU the copies are ``memmove`` calls, one per run, from Python: they are
+not what a GPU's DMA costs, which is why ``hot hit, no copies`` is shown.
+
+    .venv/bin/python project/bench/host_path.py [--lengths 4096,32768]
+
+Prints the machine, a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import machine
+import torch
+from kvlc_store.backends import DirectoryBackend
+from kvlc_store.config import parse_config
+from kvlc_store.core import StoreCore
+from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
+from kvlc_store.worker_side import READ_THREADS, WorkerSide
+
+LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
+CHUNK_BYTES = LAYERS * 2 * HEADS * BLOCK * DIM * 2
+
+
+def timed(
+    fn: Callable[[], object], reps: int, before: Callable[[], object] = lambda: None
+) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after one untimed, each
+    after an untimed call of ``before``."""
+    fn()
+    out = []
+    for _ in range(reps):
+        before()
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def worker(root: Path, num_blocks: int, tier_bytes: int) -> WorkerSide:
+    # pinned_buffer's default: what host_tier 0 moves its batches through.
+    config = parse_config({"path": str(root), "host_tier": tier_bytes})
+    core = StoreCore(config, DirectoryBackend(root, 1 << 40), "bench", 1)
+    side = WorkerSide(core, BLOCK)
+    kv = {
+        f"layer.{i}": torch.zeros(2, num_blocks, HEADS, BLOCK, DIM, dtype=torch.int16)
+        for i in range(LAYERS)
+    }
+    side.register(kv, num_blocks, 0)
+    side.start_batched_transfers()
+    return side
+
+
+def key(rep: int, block: int) -> str:
+    return f"bench/{rep:032x}{block:032x}.0"
+
+
+def load(on: WorkerSide, blocks: int) -> Callable[[], None]:
+    """``start_load_kv`` of the first save's chunks into blocks 0.."""
+    spec = LoadSpec(
+        "r", None, list(range(blocks)), [[key(0, b)] for b in range(blocks)]
+    )
+
+    def run() -> None:
+        on.start_load(StoreMetadata(loads=[spec], sync_loads_first=True))
+        assert on.take_load_errors() == set()
+
+    return run
+
+
+def saves_and_hot_hits(root: Path, blocks: int, reps: int) -> dict[str, list[float]]:
+    total = blocks * CHUNK_BYTES
+    # Room for every chunk of the hit, and a quarter more for the batches.
+    side = worker(root, blocks, total + total // 4 + 8 * CHUNK_BYTES)
+    saves = iter(range(reps + 1))
+    saved: list[int] = []
+
+    def save() -> None:
+        rep = next(saves)
+        saved.append(rep)
+        req = f"save-{rep}"
+        side.save(
+            StoreMetadata(
+                saves=[SaveSpec(b, [key(rep, b)], req_id=req) for b in range(blocks)]
+            )
+        )
+        while not side.finished_saves({req}):
+            time.sleep(0.001)
+
+    def drop_last_save() -> None:
+        # Every save writes new chunks; only the first one's are loaded.
+        if saved[-1] != 0:
+            for path in (root / "chunks").rglob(f"{saved[-1]:032x}*.0"):
+                path.unlink()
+
+    out = {
+        "save": timed(save, reps, drop_last_save),
+        # The untimed first load reads the chunks into the tier.
+        "hot hit": timed(load(side, blocks), reps),
+    }
+    # The worker's DeviceTransfer, its copies made no-ops: a bench reaches
+    # in where no setting should exist.
+    transfer = side._device
+    assert transfer is not None
+    transfer._copy_batch = lambda *args: None
+    out["hot hit, no copies"] = timed(load(side, blocks), reps)
+    side.close()
+    return out
+
+
+def cold_hits(root: Path, blocks: int, reps: int) -> list[float]:
+    cold = worker(root, blocks, 0)
+    try:
+        return timed(load(cold, blocks), reps)
+    finally:
+        cold.close()
+
+
+def floors(root: Path, blocks: int, reps: int) -> dict[str, list[float]]:
+    """A threaded read of the chunk files, and a memcpy of their bytes (of
+    at most 1 GiB, scaled: the machine has no room for two copies of 32k
+    tokens' KV beside the rest)."""
+    files = sorted(str(p) for p in (root / "chunks").rglob(f"{0:032x}*.0"))
+    assert len(files) == blocks
+
+    def read_one(path: str) -> int:
+        with open(path, "rb", buffering=0) as f:
+            return len(f.read())
+
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        read = timed(lambda: sum(pool.map(read_one, files)), reps)
+    total = blocks * CHUNK_BYTES
+    size = min(total, 1 << 30)
+    src = torch.empty(size, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    memcpy = [s * total / size for s in timed(lambda: dst.copy_(src), reps)]
+    return {"read": read, "memcpy": memcpy}
+
+
+def measure(root: Path, tokens: int, reps: int) -> dict[str, list[float]]:
+    blocks = tokens // BLOCK
+    out = saves_and_hot_hits(root, blocks, reps)
+    out["cold hit"] = cold_hits(root, blocks, reps)
+    out.update(floors(root, blocks, reps))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="4096,32768")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    print(f"{machine.describe()}; torch threads {torch.get_num_threads()}")
+    results: dict[str, Any] = {}
+    for tokens in lengths:
+        with tempfile.TemporaryDirectory(prefix="kvlc-host-path-") as tmp:
+            results[str(tokens)] = measure(Path(tmp), tokens, args.reps)
+    steps = list(results[str(lengths[0])])
+    print("| step | " + " | ".join(f"{n} tokens, ms (GB/s)" for n in lengths) + " |")
+    print("|---|" + "---:|" * len(lengths))
+    for step in steps:
+        cells = []
+        for tokens in lengths:
+            s = statistics.median(results[str(tokens)][step])
+            gbps = tokens // BLOCK * CHUNK_BYTES / s / 1e9
+            cells.append(f"{s * 1e3:.0f} ({gbps:.1f})")
+        print(f"| {step} | " + " | ".join(cells) + " |")
+    print(json.dumps({"machine": machine.describe(), "seconds": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
