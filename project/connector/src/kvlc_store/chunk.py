@@ -100,7 +100,9 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
     view = memoryview(data)
     magic = bytes(view[: len(MAGIC)])
     if magic in _OLD_MAGICS:
-        raise ChunkError(f"old chunk format ({magic.decode()}); format 3 is read")
+        raise ChunkError(
+            f"old chunk format ({magic.decode()}); format {FORMAT_VERSION} is read"
+        )
     if magic != MAGIC:
         raise ChunkError("not a chunk (bad magic or truncated header)")
     if len(view) < HEADER_BYTES:
