@@ -10,9 +10,9 @@ digest cannot catch, so:
   a damaged one (deleted: its own save replaces it);
 - the workers send it to the scheduler side at startup (handshake metadata),
   which keys chunks by it, so such servers never meet in the store;
-- when it does not arrive (MultiConnector passes on only its first child's
-  handshake metadata), keys leave it out and the workers' check is what
-  stands, with a warning.
+- inside MultiConnector, which passes on only its first child's handshake
+  metadata (NixlConnector's must reach NIXL), the workers send none: keys
+  leave it out and the workers' check is what stands, with a warning.
 
 ``test_store_tp_e2e.py`` runs the handshake and the refusal in a TP=2
 server; ``test_store_connector_e2e.py`` checks real servers' keys.
@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,12 +38,17 @@ from kvlc_store.chunk import (
     encode_chunk,
 )
 from kvlc_store.config import parse_config
-from kvlc_store.connector import StoreLayoutHandshake, workers_kv_layout
+from kvlc_store.connector import (
+    StoreConnector,
+    StoreLayoutHandshake,
+    workers_kv_layout,
+)
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, ProbeSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.transfer import BlockLayout
 from kvlc_store.worker_side import WorkerSide
+from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlHandshakePayload,
 )
@@ -158,6 +164,22 @@ def test_no_layout_from_every_worker_keys_without_it_and_says_so(
         assert workers_kv_layout(reports, 2) is None
     assert said in caplog.text
     assert "fails its load once" in caplog.text
+
+
+def test_workers_send_their_layout_only_as_the_servers_one_connector(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The worker's transfer group is the connector vLLM built from
+    ``--kv-transfer-config``: this one alone, or the MultiConnector around it,
+    which would hand StoreConnector's metadata to NixlConnector in place of
+    NIXL's when listed first."""
+    side = SimpleNamespace(_worker=SimpleNamespace(layout=SimpleNamespace(digest="d")))
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", side)
+    sent = StoreConnector.get_handshake_metadata(side)
+    assert sent == StoreLayoutHandshake("d")
+    multi = SimpleNamespace(_connectors=[side])
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", multi)
+    assert StoreConnector.get_handshake_metadata(side) is None
 
 
 # ------------------------------------------------------------- workers

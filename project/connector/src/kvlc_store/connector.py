@@ -113,9 +113,9 @@ def workers_kv_layout(
     or None, warned: then chunks are keyed without it, and a worker refuses
     a chunk of another layout at load instead, as a damaged one.
 
-    MultiConnector passes on only its first child's handshake metadata: a
-    StoreConnector composed after a connector that has some (NixlConnector)
-    hears none of its own workers'."""
+    Inside MultiConnector the workers send none (``get_handshake_metadata``):
+    MultiConnector passes on only its first child's, which NixlConnector
+    needs."""
     reports = [m for m in metadata.values() if isinstance(m, StoreLayoutHandshake)]
     layouts = sorted({m.kv_layout for m in reports})
     if len(layouts) == 1 and len(reports) == tp_size:
@@ -128,8 +128,8 @@ def workers_kv_layout(
         f"the workers report {len(layouts)} KV layouts ({', '.join(layouts)})"
         if len(layouts) > 1
         else f"the workers' KV layout did not reach the scheduler ({len(reports)} "
-        f"of {tp_size} ranks sent it; MultiConnector passes on only the first "
-        "connector's handshake metadata)",
+        f"of {tp_size} ranks sent it; inside MultiConnector, which passes on "
+        "only one child's handshake metadata, they send none)",
     )
     return None
 
@@ -371,6 +371,17 @@ class StoreConnector(KVConnectorBase_V1):
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """The KV layout, when this connector is the server's only one.
+        Inside MultiConnector, which passes on its first child's metadata
+        alone, it sends none: listed before NixlConnector, it would take the
+        place of NIXL's."""
+        from vllm.distributed.kv_transfer import (
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        if has_kv_transfer_group() and get_kv_transfer_group() is not self:
+            return None
         return StoreLayoutHandshake(self._worker.layout.digest)
 
     def before_update_states(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
