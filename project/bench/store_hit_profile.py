@@ -67,7 +67,8 @@ class Timer:
 
 def profile(backend: Backend, reps: int, dtype: torch.dtype) -> dict[str, list[float]]:
     timer = Timer()
-    config = parse_config({"path": tempfile.gettempdir()})
+    # The settings only: the store is ``backend``, not this path.
+    config = parse_config({"path": tempfile.gettempdir()}, check_store=False)
     core = StoreCore(config, backend, IDENTITY, 1)
     worker = WorkerSide(core, BLOCK)
     num_blocks = MISS_CHUNKS + HIT_CHUNKS
@@ -95,7 +96,7 @@ def profile(backend: Backend, reps: int, dtype: torch.dtype) -> dict[str, list[f
             "r", lease, list(range(MISS_CHUNKS, num_blocks)), [[k] for k in hit]
         )
         with timer("hit, worker: load (read into KV + digest + release)"):
-            worker.start_load(StoreMetadata(loads=[load]))
+            worker.start_load(StoreMetadata(loads=[load], sync_loads_first=True))
         assert not worker.take_load_errors()
     return timer.seconds
 
