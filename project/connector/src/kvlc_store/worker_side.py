@@ -131,6 +131,14 @@ class WorkerSide:
                 "(pinned_buffer), staged: this KV layout has too many runs per "
                 "block for pointer copies, so no host tier"
             )
+            if layout.device.type != "cpu":
+                # Staging buffers are the size of the pool's regions, and the
+                # caching allocator keeps its peak; nothing sizes it for vLLM.
+                how += (
+                    f"; the staging takes up to {device.pool.nbytes / 2**20:.1f} "
+                    f"MiB of {layout.device.type} memory, which PyTorch keeps "
+                    "cached outside --gpu-memory-utilization"
+                )
         self._async_saves = AsyncSaves(device, self._write_chunk, self._tier)
         self._readers = ThreadPoolExecutor(READ_THREADS, "kvlc-read")
         logger.info(
