@@ -59,7 +59,9 @@ LLAMA_8B: dict[str, Any] = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
-# --tiny: the same run on a 2-layer model, to try the script without a GPU.
+# --tiny: the same run on a 2-layer model, to try the script without a GPU
+# (StoreConnector then takes the GPU path over host memory: gpu_path_on_cpu.py).
+# Its answers barely depend on the context, so its control check says nothing.
 TINY = {
     **LLAMA_8B,
     "hidden_size": 256,
@@ -83,27 +85,31 @@ def offloading(cpu_gib: int) -> dict[str, Any]:
     }
 
 
-def store(path: str, **extra: Any) -> dict[str, Any]:
-    return {
+def store(path: str, cuda: bool, **extra: Any) -> dict[str, Any]:
+    config = {
         "kv_connector": "StoreConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"path": path, "capacity": "48GiB", **extra},
     }
+    if not cuda:  # --tiny: the GPU path over host memory (gpu_path_on_cpu.py)
+        config["kv_connector"] = "BatchedStoreConnector"
+        config["kv_connector_module_path"] = "gpu_path_on_cpu"
+    return config
 
 
-def connector(kind: str, store_dir: str) -> dict[str, Any] | None:
+def connector(kind: str, store_dir: str, cuda: bool) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of a configuration's connector."""
     if kind == "none":
         return None
     if kind == "offload":
         return offloading(16)
     if kind == "store":  # the host tier holds the hit: one copy over the link
-        return store(store_dir, host_tier="16GiB")
+        return store(store_dir, cuda, host_tier="16GiB")
     if kind == "store-cold":  # no host tier: every hit read from the store
-        return store(store_dir, host_tier=0)
+        return store(store_dir, cuda, host_tier=0)
     if kind == "store-async":
-        return store(store_dir, host_tier="16GiB", load_async=True)
+        return store(store_dir, cuda, host_tier="16GiB", load_async=True)
     if kind == "multi":
         # The composition not picked: vLLM's own CPU tier in front of the
         # store through MultiConnector (a hit in host memory is
@@ -113,7 +119,7 @@ def connector(kind: str, store_dir: str) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "connectors": [offloading(16), store(store_dir, host_tier=0)]
+                "connectors": [offloading(16), store(store_dir, cuda, host_tier=0)]
             },
         }
     raise ValueError(f"unknown connector {kind!r}")
@@ -163,6 +169,8 @@ def child(spec: dict[str, Any]) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    # On CPU (--tiny) vLLM would take most of the host's memory for KV.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from vllm.inputs import TokensPrompt
 
@@ -181,7 +189,7 @@ def child(spec: dict[str, Any]) -> None:
     )
     if cuda:
         kw["gpu_memory_utilization"] = 0.85
-    transfer = connector(kind, spec["store"])
+    transfer = connector(kind, spec["store"], cuda)
     if transfer is not None:
         kw["kv_transfer_config"] = transfer
     t0 = time.perf_counter()
@@ -204,16 +212,21 @@ def child(spec: dict[str, Any]) -> None:
             "tokens": list(out[0].outputs[0].token_ids),
         }
 
+    reset_steps: list[int] = []
+
     def reset() -> None:
         # vLLM refuses while a connector holds finished requests' blocks
         # (StoreConnector until their saves are written), and gives them
         # back at a later engine step: step with a one-token request until
         # the reset takes, or a repeat would hit vLLM's own prefix cache.
         deadline = time.monotonic() + 120
+        steps = 0
         while not llm.reset_prefix_cache():
             assert time.monotonic() < deadline, "prefix cache never reset"
             llm.generate([TokensPrompt(prompt_token_ids=[7])], one, use_tqdm=False)
+            steps += 1
             time.sleep(0.05)
+        reset_steps.append(steps)
 
     per_length = {}
     for length in spec["lengths"]:
@@ -242,6 +255,9 @@ def child(spec: dict[str, Any]) -> None:
             flush=True,
         )
     result["per_length"] = per_length
+    # Requests stepped before each reset took: above 0 where the connector
+    # kept finished requests' blocks for their saves.
+    result["reset_steps"] = reset_steps
     print("RESULT " + json.dumps(result), flush=True)
 
 
