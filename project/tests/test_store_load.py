@@ -26,6 +26,7 @@ from kvlc_store.core import StoreCore, store_identity
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.worker_side import WorkerSide
+from test_store_device_transfer import wait_finished
 
 IDENT = "ident0"
 NUM_BLOCKS = 6
@@ -145,10 +146,8 @@ def test_kv_cache_off_the_host_goes_through_the_host_pool(tmp_path: Path):
     worker.start_batched_transfers()
     saved = block(caches, 2)
     worker.save(StoreMetadata(saves=[SaveSpec(2, [key(2)], req_id="w")]))
-    deadline = time.monotonic() + 30
-    while not worker.finished_saves({"w"}):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    worker.finished_saves({"w"})
+    wait_finished(worker, "w")
     worker.start_load(
         StoreMetadata(
             loads=[LoadSpec("r", None, [5], [[key(2)]])], sync_loads_first=True

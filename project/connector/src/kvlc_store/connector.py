@@ -351,10 +351,9 @@ class StoreConnector(KVConnectorBase_V1):
             self._core.set_kv_layout(layout)
             logger.info(
                 "StoreConnector: the workers' KV layout is %s; chunks are "
-                "keyed under %s-%s",
+                "keyed under %s",
                 layout,
-                self._core.identity,
-                layout,
+                self._core.key_prefix,
             )
 
     # ------------------------------------------------------------------

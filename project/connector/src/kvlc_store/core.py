@@ -135,7 +135,8 @@ class StoreCore:
         # once their handshake metadata names it (``set_kv_layout``); a
         # worker checks chunks against its own.
         self.kv_layout: str | None = None
-        self._key_prefix = identity
+        # What every chunk key starts with (``keys``).
+        self.key_prefix = identity
         self.tp_size = tp_size
         self.stats = stats if stats is not None else StoreConnectorStats()
         self._warned: set[str] = set()
@@ -159,12 +160,12 @@ class StoreCore:
         whose attention backends store a block in another byte order keep
         apart chunks, instead of refusing each other's at load."""
         self.kv_layout = layout
-        self._key_prefix = f"{self.identity}-{layout}"
+        self.key_prefix = f"{self.identity}-{layout}"
 
     def keys(self, block_hash: bytes) -> list[str]:
         """The chunk key of ``block_hash`` for each TP rank."""
         h = bytes(block_hash).hex()
-        return [f"{self._key_prefix}/{h}.{r}" for r in range(self.tp_size)]
+        return [f"{self.key_prefix}/{h}.{r}" for r in range(self.tp_size)]
 
     def warn_once(self, what: str, message: str, *args: object) -> None:
         if what not in self._warned:
