@@ -1,7 +1,10 @@
 """Checks that the connector's unit tests catch plausible bugs: hand-made
-mutations of ``kvlc_store`` (issue 44), each applied alone to a copy of the
-package, with the unit tests run against that copy; a mutation the tests
-pass ("survived") is a bug they would miss.
+mutations of ``kvlc_store`` (issues 44 and 50: the store, the host tier, the
+KV layout header, the trust checks, secrets, settings and the save thread),
+each applied alone to a copy of the package, with the unit tests run
+against that copy; a mutation the tests pass ("survived") is a bug they
+would miss. Each is a bug a user would see (wrong KV served, a secret
+printed, a hang, a setting read wrong), not a change of the code's shape.
 
 Run by hand after changing the connector, not in CI (a few minutes: one
 pytest run per mutation), from the repository root::
@@ -50,6 +53,11 @@ UNIT_TESTS = [
     "test_store_prefetch.py",
     "test_store_lazy_offload.py",
     "test_store_plugin.py",
+    "test_store_host_tier.py",
+    "test_store_kv_layout.py",
+    "test_store_security.py",
+    "test_store_trust.py",
+    "test_store_async_save.py",
 ]
 
 
@@ -136,9 +144,227 @@ MUTATIONS = [
     Mutation(
         "negative-seconds-accepted",
         "config.py",
-        "return f if 0 < f < math.inf else None",
-        "return f if f and f < math.inf else None",
-        "test_store_units.py",
+        "    return f if math.isfinite(f) and f > 0 else None\n",
+        "    return f if math.isfinite(f) and f != 0 else None\n",
+        "test_store_security.py",
+    ),
+    # -- issue 50: the host tier and the save thread
+    Mutation(
+        "tier-hands-out-a-slot-a-load-copies-from",
+        "host_tier.py",
+        "                del self._keys[old]\n                if not self._pins[old]:\n"
+        "                    self._free.append(old)\n",
+        "                del self._keys[old]\n                self._free.append(old)\n",
+        "test_store_host_tier.py",
+    ),
+    Mutation(
+        "tier-keeps-saves-only-while-the-store-is-up",
+        "async_save.py",
+        "                        tier.publish(key, slot)\n",
+        "                        if store_up:\n"
+        "                            tier.publish(key, slot)\n",
+        "test_store_host_tier.py",
+    ),
+    Mutation(
+        "save-copy-not-after-the-forward",
+        "worker_side.py",
+        "                    self._device.mark_compute(),\n",
+        "                    None,\n",
+        "test_store_async_save.py",
+    ),
+    Mutation(
+        "tier-save-copy-not-after-the-forward",
+        "async_save.py",
+        "                        [tier.addr(slot) for slot in slots],\n"
+        "                        job.ready,\n",
+        "                        [tier.addr(slot) for slot in slots],\n"
+        "                        None,\n",
+        "test_store_async_save.py",
+    ),
+    Mutation(
+        "save-thread-bug-leaves-requests-pending",
+        "async_save.py",
+        "                for save in job.saves[finished:]:\n"
+        "                    self._finish(save, False)\n",
+        "                pass\n",
+        "test_store_async_save.py",
+    ),
+    # -- the KV layout header and the chunk format
+    Mutation(
+        "header-without-layout-loads-anywhere",
+        "chunk.py",
+        "    if layout is not None and header.layout != layout:\n",
+        "    if layout and header.layout and header.layout != layout:\n",
+        "test_store_kv_layout.py",
+    ),
+    Mutation(
+        "format-3-called-unknown",
+        "chunk.py",
+        "        if version < FORMAT_VERSION:\n",
+        "        if version < 3:\n",
+        "test_store_kv_layout.py",
+    ),
+    # -- the store's identity
+    Mutation(
+        "identity-without-the-config",
+        "core.py",
+        '        "config": config_content(model.hf_config),\n',
+        "",
+        "test_store_identity.py",
+    ),
+    Mutation(
+        "identity-without-the-kv-cache-dtype",
+        "core.py",
+        '        "cache_dtype": str(cache.cache_dtype),\n',
+        "",
+        "test_store_identity.py",
+    ),
+    Mutation(
+        "identity-keeps-the-configs-path",
+        "identity.py",
+        '            if not str(k).startswith("_") and k != "transformers_version"\n',
+        '            if k != "transformers_version"\n',
+        "test_store_identity.py",
+    ),
+    # -- whom the directory store trusts
+    Mutation(
+        "store-another-user-made-accepted",
+        "store_checks.py",
+        "    if st.st_uid == os.geteuid() or not os.access(path, os.W_OK):\n",
+        "    if st.st_uid in (os.geteuid(), st.st_uid)"
+        " or not os.access(path, os.W_OK):\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "writable-store-trusts-its-owner",
+        "backends/directory.py",
+        "        if self.read_only:\n            self._trusted_uids.add(st.st_uid)\n",
+        "        self._trusted_uids.add(st.st_uid)\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "group-writable-chunk-served",
+        "backends/directory.py",
+        "        others = stat.S_IWOTH | (0 if self.group_access else stat.S_IWGRP)\n",
+        "        others = stat.S_IWOTH\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "only-the-parent-above-the-store-checked",
+        "store_checks.py",
+        "    while probe.parent != probe:\n        probe = probe.parent\n",
+        "    for _ in range(1):\n        probe = probe.parent\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "path-checked-only-as-resolved",
+        "config.py",
+        "            check_private(given, bool(group_access))\n            or ",
+        "            ",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "store-directories-unchecked",
+        "store_checks.py",
+        '    for probe in (path, path / "chunks", path / "leases", path / "tmp"):\n',
+        "    for probe in (path,):\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "chunk-opened-through-links",
+        "backends/directory.py",
+        "_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK\n",
+        "_OPEN_CHUNK = os.O_RDONLY | os.O_NONBLOCK\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "chunk-opened-blocking",
+        "backends/directory.py",
+        "_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK\n",
+        "_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "lease-counts-links",
+        "backends/directory.py",
+        "            if not stat.S_ISREG(st.st_mode):\n"
+        "                self._trusted(path, st)  # refused, with its line\n"
+        "                break\n",
+        "",
+        "test_store_trust.py",
+    ),
+    # -- secrets and settings
+    Mutation(
+        "password-file-anyone-may-read-accepted",
+        "config.py",
+        "        if mode & 0o077:\n",
+        "        if mode & 0o022:\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "password-env-not-passed-to-the-backend",
+        "core.py",
+        "            password=redis_password(config),\n"
+        "        )\n    assert config.path",
+        "            password=redis_password(config)\n"
+        "            if config.redis_password_file\n            else None,\n"
+        "        )\n    assert config.path",
+        "test_store_security.py",
+    ),
+    Mutation(
+        "wrong-scheme-url-prints-its-password",
+        "config.py",
+        "            if isinstance(raw, str) and redact_url(raw) != raw:\n"
+        "                secret, raw = True, redact_url(raw)\n",
+        "",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "gigabytes-read-as-gibibytes",
+        "config.py",
+        '    "gb": 10**9,\n',
+        '    "gb": 2**30,\n',
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "redis-timeout-up-to-a-day",
+        "config.py",
+        "        _seconds(MAX_REDIS_TIMEOUT_S),\n",
+        "        _seconds(MAX_LEASE_TTL_S),\n",
+        "test_store_trust.py",
+    ),
+    # -- outages, damaged chunks, evictions
+    Mutation(
+        "failed-write-stops-lookups",
+        "core.py",
+        '        if what == "read":\n            # A store that cannot be read',
+        '        if what == "write":\n'
+        '            reads = self._outages.setdefault("read", _Outage(outage.wait_s))\n'
+        "            reads.retry_at = outage.retry_at\n"
+        '        if what == "read":\n            # A store that cannot be read',
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "damaged-keys-remembered-when-writable",
+        "scheduler_side.py",
+        "if bad and request is not None and not self._core.writable():",
+        "if bad and request is not None and self._core.writable():",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "damaged-keys-never-remembered",
+        "scheduler_side.py",
+        "                    self._core.bad_keys.update("
+        "self._core.keys(request.block_hashes[i]))\n",
+        "                    pass\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "evictions-only-counted",
+        "worker_side.py",
+        "        core.evicted(evicted or 0)\n",
+        '        core.stats.inc("evictions", evicted or 0)\n',
+        "test_store_trust.py",
     ),
 ]
 

@@ -92,20 +92,18 @@ def test_read_errors_are_unavailable(
 ):
     store = DirectoryBackend(tmp_path, 10**6)
     store.put(KEY, DATA)
-    read = Failing(err, Path.read_bytes)
-    monkeypatch.setattr(Path, "read_bytes", lambda path: read(path))
-    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
-        store.get(KEY)
-    read.armed = False
-    assert store.get(KEY) == DATA
-    # Lookups (headers) and loads (straight into KV) read with pread/preadv.
+    # Whole chunks, lookups (headers) and loads (straight into KV) read with
+    # pread/preadv.
     pread = Failing(err, os.pread)
     monkeypatch.setattr(directory.os, "pread", pread)
+    with pytest.raises(BackendUnavailable, match=os.strerror(err)):
+        store.get(KEY)
     with pytest.raises(BackendUnavailable, match=os.strerror(err)):
         store.peek([KEY], 10)
     with pytest.raises(BackendUnavailable, match=os.strerror(err)):
         list(store.read_into([KEY], 10, [[memoryview(bytearray(990))]]))
     pread.armed = False
+    assert store.get(KEY) == DATA
     target = bytearray(990)
     assert list(store.read_into([KEY], 10, [[memoryview(target)]])) == [
         (DATA[:10], len(DATA))

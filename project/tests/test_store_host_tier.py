@@ -130,6 +130,25 @@ def test_unpublished_slot_is_free_again_and_a_waiter_gets_it():
     assert tier.pin_cached(["k"]) == [None]
 
 
+def test_slot_a_load_copies_from_stays_its_own_when_the_key_is_saved_again():
+    """A load copies key k out of its slot while a save of k publishes it in
+    a fresh slot: the old slot is not handed to any writer (whose bytes the
+    load would copy) until the load lets go of it."""
+    tier = HostTier(8, 1, pin=False, cache=True)
+    old = tier.reserve(1, wait=False)
+    tier.publish("k", old[0])
+    tier.unpin(old)
+    loading = tier.pin_cached(["k"])
+    assert loading == old
+    fresh = tier.reserve(1, wait=False)
+    tier.publish("k", fresh[0])
+    tier.unpin(fresh)
+    taken = [slot for _ in range(4) for slot in tier.reserve(2, wait=False)]
+    assert len(taken) == 7 and old[0] not in taken
+    tier.unpin(loading)
+    assert tier.reserve(1, wait=False) == old
+
+
 def saved(worker: WorkerSide, blocks: range | list[int], req_id: str) -> None:
     worker.save(
         StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id=req_id) for b in blocks])
@@ -227,15 +246,17 @@ def test_damaged_store_copy_of_a_cached_chunk_is_never_loaded(tmp_path: Path):
 
 
 def test_store_failure_on_save_keeps_the_tier_copy(tmp_path: Path):
-    core, worker, kv, backend = make(tmp_path, tier_blocks=8)
-    before = payloads(kv, [2])
+    """Every chunk of the step stays in the tier, those after the failure
+    (whose writes are skipped) too."""
+    core, worker, kv, backend = make(tmp_path, tier_blocks=16)
+    before = payloads(kv, [0, 1, 2])
     backend.fail = True
-    saved(worker, [2], "r")
+    saved(worker, [0, 1, 2], "r")
     assert core.stats.data["store_errors"] >= 1
     assert backend.get(key(2)) is None
     backend.fail = False
-    assert load(worker, [5], [2]) == set()
-    assert payloads(kv, [5]) == before
+    assert load(worker, [5, 4, 3], [0, 1, 2]) == set()
+    assert payloads(kv, [5, 4, 3]) == before
     worker.close()
 
 

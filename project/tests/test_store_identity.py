@@ -1,7 +1,9 @@
 """The store's identity: one model is one identity wherever it is mounted
-and however its path is written; another model (other weights), another
-dtype, quantization, ``hf_overrides``, block size, hash algorithm, TP size or
-KV cache layout never is; ``model_id`` names the model instead of its files."""
+and however its path (or its config's) is written; another model (other
+weights), another config (``--hf-config-path``: another RoPE base, its
+quantization config and KV scales scheme), another dtype, KV cache dtype,
+quantization, ``hf_overrides``, block size, hash algorithm, TP size or KV
+cache layout never is; ``model_id`` names the model instead of its files."""
 
 from __future__ import annotations
 
@@ -26,6 +28,25 @@ def model_dir(path: Path, weights: bytes = b"\x01" * 4096) -> Path:
 
 ONE_GROUP = [(["l0", "l1"], "FullAttentionSpec(block_size=16, num_kv_heads=8)")]
 
+# What vLLM's ModelConfig.hf_config.to_dict() holds for the test model.
+CONFIG = {
+    "_name_or_path": "/models/demo",
+    "architectures": ["LlamaForCausalLM"],
+    "rope_theta": 10000.0,
+    "text_config": {"_name_or_path": "/models/demo", "num_key_value_heads": 8},
+    "transformers_version": "4.57.0",
+}
+
+
+class HfConfig:
+    """A resolved Hugging Face config, as the identity reads it."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.settings
+
 
 def server(
     model: str | Path,
@@ -38,21 +59,29 @@ def server(
     hash_algo: str = "sha256",
     tensor_parallel_size: int = 1,
     groups: list[tuple[list[str], str]] = ONE_GROUP,
+    config: dict[str, Any] = CONFIG,
+    cache_dtype: str = "auto",
+    skip_layers: tuple[str, ...] = (),
 ) -> str:
     """The identity of a server of ``model`` with this setup (vLLM's
     ``--dtype``, ``--quantization``, ``--hf-overrides``, ``--block-size``,
-    ``--prefix-caching-hash-algo``, ``--tensor-parallel-size``; ``groups``:
-    its KV cache groups, layers and spec)."""
+    ``--prefix-caching-hash-algo``, ``--tensor-parallel-size``,
+    ``--kv-cache-dtype``, ``--kv-cache-dtype-skip-layers``; ``groups``: its
+    KV cache groups, layers and spec; ``config``: its resolved config)."""
     vllm_config: Any = SimpleNamespace(
         model_config=SimpleNamespace(
             model=str(model),
             revision=None,
+            hf_config=HfConfig(config),
             hf_overrides=hf_overrides or {},
             quantization=quantization,
             dtype=dtype,
         ),
         cache_config=SimpleNamespace(
-            block_size=block_size, prefix_caching_hash_algo=hash_algo
+            block_size=block_size,
+            prefix_caching_hash_algo=hash_algo,
+            cache_dtype=cache_dtype,
+            kv_cache_dtype_skip_layers=list(skip_layers),
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size),
     )
@@ -111,6 +140,24 @@ def test_hub_models_are_named_by_id_and_revision(tmp_path: Path):
     [
         {"quantization": "fp8"},
         {"hf_overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
+        # --hf-config-path: the same checkpoint read with another config.
+        {"config": {**CONFIG, "rope_theta": 500.0}},
+        {"config": {**CONFIG, "text_config": {"num_key_value_heads": 4}}},
+        # The checkpoint's quantization config, its KV cache scheme included
+        # (static KV scales, per tensor or per head).
+        {"config": {**CONFIG, "quantization_config": {"kv_cache_scheme": None}}},
+        {
+            "config": {
+                **CONFIG,
+                "quantization_config": {
+                    "kv_cache_scheme": {"num_bits": 8, "strategy": "tensor"}
+                },
+            }
+        },
+        # fp8 KV: e4m3 and e5m2 are both uint8 in the cache spec.
+        {"cache_dtype": "fp8_e4m3"},
+        {"cache_dtype": "fp8_e5m2"},
+        {"skip_layers": ("0",)},
         {"block_size": 32},
         {"hash_algo": "sha256_cbor"},
         {"tensor_parallel_size": 2},
@@ -123,7 +170,7 @@ def test_hub_models_are_named_by_id_and_revision(tmp_path: Path):
             ]
         },
     ],
-    ids=lambda setup: next(iter(setup)),
+    ids=lambda setup: "-".join(f"{k}={v}" for k, v in setup.items())[:60],
 )
 def test_same_checkpoint_with_other_kv_never_matches(tmp_path: Path, setup):
     """Two servers of one checkpoint whose KV differs (one quantized with
@@ -134,3 +181,24 @@ def test_same_checkpoint_with_other_kv_never_matches(tmp_path: Path, setup):
     assert server(model, **setup) != server(model)
     assert server(model, model_id="x", **setup) != server(model, model_id="x")
     assert server(model, **setup) == server(model, **setup)
+
+
+def test_fp8_formats_never_match_each_other(tmp_path: Path):
+    model = model_dir(tmp_path / "m")
+    e4m3 = server(model, cache_dtype="fp8_e4m3")
+    assert e4m3 != server(model, cache_dtype="fp8_e5m2")
+
+
+def test_one_config_read_from_two_paths_is_one_identity(tmp_path: Path):
+    """What only says where the config was read from (``_name_or_path`` and
+    the other ``_`` entries) and the transformers version that wrote it are
+    not the config."""
+    model = model_dir(tmp_path / "m")
+    moved = {
+        **CONFIG,
+        "_name_or_path": "/elsewhere/config",
+        "_commit_hash": "abc",
+        "text_config": {"_name_or_path": "/x", "num_key_value_heads": 8},
+        "transformers_version": "4.58.0",
+    }
+    assert server(model, config=moved) == server(model)

@@ -125,8 +125,17 @@ def test_format_3_chunk_without_a_layout_is_refused():
     body = {"version": 3, "identity": IDENT, "key": key(1), "payload_bytes": 0}
     body["xxh3_64"] = 0
     head = MAGIC + json.dumps(body).encode().ljust(HEADER_BYTES - len(MAGIC))
-    with pytest.raises(ChunkError, match="unknown format version 3"):
+    with pytest.raises(ChunkError, match=r"old chunk format \(format 3\)"):
         check_header(head, IDENT, key(1), HEADER_BYTES, "a" * 16)
+
+
+def test_format_4_chunk_naming_no_layout_is_refused_by_every_worker():
+    """A header whose layout is empty (written by a caller that named none)
+    says nothing about its byte order: no worker may load it as its own."""
+    data = encode_chunk(IDENT, key(1), b"x" * 10)
+    for layout in ("a" * 16, "b" * 16):
+        with pytest.raises(ChunkError, match="written under KV layout ''"):
+            decode_chunk(data, IDENT, key(1), layout)
 
 
 # ------------------------------------------------------------- the handshake

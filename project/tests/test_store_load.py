@@ -165,10 +165,16 @@ def test_chunks_of_another_format_live_under_other_keys(monkeypatch):
             model="m",
             revision=None,
             dtype="bfloat16",
+            hf_config=SimpleNamespace(to_dict=dict),
             hf_overrides={},
             quantization=None,
         ),
-        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+        cache_config=SimpleNamespace(
+            block_size=16,
+            prefix_caching_hash_algo="sha256",
+            cache_dtype="auto",
+            kv_cache_dtype_skip_layers=[],
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
     )
     kv_cache_config = SimpleNamespace(kv_cache_groups=[])

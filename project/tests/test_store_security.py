@@ -33,7 +33,7 @@ from kvlc_store.config import (
     parse_config,
     redact_url,
 )
-from kvlc_store.core import StoreCore
+from kvlc_store.core import StoreCore, make_backend
 from redis_server import RedisServer
 
 KEY = f"ident0/{1:064x}.0"
@@ -172,6 +172,7 @@ def test_password_from_env_or_file(
     monkeypatch.setenv("KVLC_PW", PASSWORD)
     pw_file = tmp_path / "pw"
     pw_file.write_text(PASSWORD + "\n")
+    pw_file.chmod(0o600)
     for extra in (
         {"redis_password_env": "KVLC_PW"},
         {"redis_password_file": str(pw_file)},
@@ -180,6 +181,13 @@ def test_password_from_env_or_file(
             {"backend": "redis", "redis_url": redis_server.url, **extra}
         )
         assert PASSWORD not in repr(config)
+        # The connector's backend (not only the check's) sends the password.
+        backend = make_backend(config)
+        try:
+            backend.put(KEY, DATA)
+            assert backend.get(KEY) == DATA
+        finally:
+            backend.close()
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,21 @@
 """StoreConnector faults and security end to end (``vllm serve``, real HTTP):
-a full Redis, another local user, a store that turns read-only, secrets in
-logs, and settings refused before any model loads.
+a full Redis, another local user, a store that turns read-only, links and
+FIFOs under chunk names, another model config on the same store, secrets in
+logs, and settings refused before any model loads (a store another user
+made, a store reached through a link in a directory anyone may write, a
+password file anyone may read).
 
-Two servers on the demo model, started together and shared by the tests of
-this module (``kv_load_failure_policy: recompute`` on both):
+Three servers on the demo model, started together and shared by the tests
+of this module (``kv_load_failure_policy: recompute`` on all):
 
 * ``dir``: a directory store created under umask 000, inside a user and
   mount namespace (``unshare``) where the directory holding the store is a
   bind mount of itself, so a test can remount it read-only under the running
   server (``nsenter``) while this process still writes it;
 * ``redis``: a Redis with a password (``requirepass``) that the server reads
-  from an environment variable; a test fills Redis to ``maxmemory``.
+  from an environment variable; a test fills Redis to ``maxmemory``;
+* ``config``: the same model directory and store as ``dir``, with its config
+  read from another file (``--hf-config-path``: another RoPE base).
 
 The refusals run ``vllm serve`` on a model directory that does not exist:
 the check must stop it first, in one line, with exit status 2.
@@ -19,6 +24,7 @@ the check must stop it first, in one line, with exit status 2.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -33,6 +39,7 @@ from typing import Any
 import pytest
 import redis as redis_lib
 from conftest import REPO
+from kvlc_store.chunk import encode_chunk
 from redis_server import RedisServer, free_port
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
@@ -94,6 +101,15 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         env = {**serve_demo.server_env(), PASSWORD_ENV: PASSWORD}
         server = serve_demo.Server(command, env, root / "redis.log")
         engines["redis"] = Engine("redis", server, port)
+        port = serve_demo.free_port()
+        command = serve_demo.server_command(
+            model, port, kv_config({"path": str(store)})
+        )
+        command += ["--hf-config-path", str(other_config(model, root / "config"))]
+        server = serve_demo.Server(
+            command, serve_demo.server_env(), root / "config.log"
+        )
+        engines["config"] = Engine("config", server, port)
         for engine in engines.values():
             engine.server.wait_healthy(engine.url, timeout=600)
         yield {"root": root, "store": store, "mount": mount, "client": client,
@@ -102,6 +118,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         for engine in engines.values():
             engine.server.stop()
         redis.stop()
+
+
+def other_config(model: Path, out: Path) -> Path:
+    """A directory holding ``model``'s config with another RoPE base: the
+    same weights compute other KV with it."""
+    config = json.loads((model / "config.json").read_text())
+    config["rope_theta"] = 500.0
+    if isinstance(config.get("rope_parameters"), dict):
+        config["rope_parameters"]["rope_theta"] = 500.0
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def stored_files(store: Path) -> dict[Path, int]:
@@ -150,6 +178,69 @@ def test_chunk_of_another_user_is_refused_with_a_warning(servers):
     assert f"{chunks[0]} is not served: it belongs to uid {NOBODY}" in log or (
         f"{chunks[1]} is not served: it belongs to uid {NOBODY}" in log
     ), log[-3000:]
+
+
+def test_servers_of_one_model_with_other_configs_never_share_chunks(servers):
+    """``dir`` and ``config`` serve one model directory from one store, one
+    with another RoPE base: neither is offered the other's chunks, each hits
+    its own."""
+    store: Path = servers["store"]
+    # One-word tags: a longer one would make the answer fill a third block.
+    for tag, first, second in (("theta", "dir", "config"), ("base", "config", "dir")):
+        stored, _ = store_new(servers[first], store, tag)
+        other = servers[second].complete(prompt(tag))
+        assert other.cached_tokens == 0, (first, second)
+        assert servers[second].complete(prompt(tag)).cached_tokens == 2 * BLOCK
+        hit = servers[first].complete(prompt(tag))
+        assert hit.cached_tokens == 2 * BLOCK
+        assert_same_output(hit, stored)
+    identities = {p.relative_to(store / "chunks").parts[0] for p in stored_files(store)}
+    assert len(identities) == 2, identities
+
+
+def test_link_or_fifo_under_a_chunks_name_is_a_miss_with_one_line(servers):
+    """A chunk file replaced by a link to a FIFO (a reader opening it would
+    wait for a writer: every request for the prompt would hang) or by a link
+    to a valid chunk outside the store (served before, its mtime changed):
+    a miss, one line (per process), the outside file untouched; the request's save
+    puts the store's own chunk in place of the link, so the next one hits."""
+    engine: Engine = servers["dir"]
+    store, root = servers["store"], servers["root"]
+    fifo = root / "fifo"
+    os.mkfifo(fifo)
+    outside = root / "outside"
+    outside.mkdir()
+    answers = {}
+    links: dict[str, list[Path]] = {}
+    for tag in ("fifo", "outside"):
+        answers[tag], links[tag] = store_new(engine, store, tag)
+        for chunk in links[tag]:
+            target = fifo
+            if tag == "outside":
+                target = outside / chunk.name
+                shutil.copy(chunk, target)
+                os.utime(target, (1_000_000, 1_000_000))
+            chunk.unlink()
+            chunk.symlink_to(target)
+    start = len(engine.server.log_text())
+    for tag in answers:
+        again = engine.complete(prompt(tag))
+        assert again.cached_tokens == 0, tag
+        assert_same_output(again, answers[tag])
+        assert not any(link.is_symlink() for link in links[tag]), tag
+        hit = engine.complete(prompt(tag))
+        assert hit.cached_tokens == 2 * BLOCK, tag
+        assert_same_output(hit, answers[tag])
+    log = engine.server.log_text()[start:]
+    for tag in links:
+        # The lookups stop at the first block's link: one line from each
+        # process that looks up (the scheduler, then the worker's own).
+        lines = [f"chunk file {link} is not served: it is a symbolic link" for
+                 link in links[tag]]  # fmt: skip
+        told = sum(log.count(line) for line in lines)
+        assert 1 <= told <= 2, (tag, log[-3000:])
+    assert {p.stat().st_mtime for p in outside.iterdir()} == {1_000_000}
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 def remount(engine: Engine, mount: Path, mode: str) -> None:
@@ -273,6 +364,9 @@ def protected_mode_redis() -> Iterator[int]:
 
 
 def refusal_config(case: str, tmp_path: Path, stack: contextlib.ExitStack) -> dict:
+    store = store_config(case, tmp_path)
+    if store is not None:
+        return store
     if case == "numbers":
         return {
             "path": str(tmp_path / "store"),
@@ -290,8 +384,46 @@ def refusal_config(case: str, tmp_path: Path, stack: contextlib.ExitStack) -> di
             "redis_url": redis.url,
             "redis_password_env": PASSWORD_ENV,
         }
+    if case == "password file anyone may read":
+        password_file = tmp_path / "redis-password"
+        password_file.write_text(PASSWORD + "\n")
+        password_file.chmod(0o644)
+        return {
+            "backend": "redis",
+            "redis_url": redis.url,
+            "redis_password_file": str(password_file),
+        }
     assert case == "password in the URL"
     return {"backend": "redis", "redis_url": f"redis://:{PASSWORD}@127.0.0.1:1/0"}
+
+
+def squatted_store(tmp_path: Path) -> Path:
+    """A store directory another user made (0700, under a sticky directory
+    like /tmp) and filled with chunks that pass every check but the owner's:
+    forged KV under a prompt's key."""
+    squat = tmp_path / "sticky" / "squat"
+    squat.parent.mkdir(mode=0o1777)
+    chunk = squat / "chunks" / "identity" / "00" / ("00" * 32 + ".0")
+    chunk.parent.mkdir(parents=True)
+    chunk.write_bytes(encode_chunk("identity", "identity/" + chunk.name, b"kv"))
+    for path in (squat, *squat.rglob("*")):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+        os.chown(path, NOBODY, NOBODY)
+    return squat
+
+
+def store_config(case: str, tmp_path: Path) -> dict | None:
+    if case == "store another user made":
+        return {"path": str(squatted_store(tmp_path))}
+    if case == "store through a link in a directory anyone may write":
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        (shared / "store").symlink_to(private / "store")
+        return {"path": str(shared / "store")}
+    return None
 
 
 @contextlib.contextmanager
@@ -318,6 +450,16 @@ REFUSALS = {
         "check the password (redis_password_env",
     ],
     "password in the URL": ["'redis://:***@127.0.0.1:1/0': holds a password"],
+    "password file anyone may read": [
+        "['redis_password_file'] = ",
+        "other users may read or write it (mode 644); chmod 600 it",
+    ],
+    "store another user made": [
+        f"belongs to another user (uid {NOBODY}), who could have put any KV in it",
+    ],
+    "store through a link in a directory anyone may write": [
+        "shared, above the store, is writable by every user (mode 777)",
+    ],
 }
 
 

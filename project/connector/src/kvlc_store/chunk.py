@@ -113,8 +113,13 @@ def parse_header(data: bytes | memoryview) -> ChunkHeader:
         raise ChunkError(f"unreadable header ({e})") from e
     if not isinstance(header, dict):
         raise ChunkError("unreadable header (not an object)")
-    if header.get("version") != FORMAT_VERSION:
-        raise ChunkError(f"unknown format version {header.get('version')!r}")
+    version = header.get("version")
+    if type(version) is int and version < FORMAT_VERSION:
+        raise ChunkError(
+            f"old chunk format (format {version}); format {FORMAT_VERSION} is read"
+        )
+    if version != FORMAT_VERSION:
+        raise ChunkError(f"unknown format version {version!r}")
     try:
         return ChunkHeader(
             identity=str(header["identity"]),

@@ -17,14 +17,13 @@ import math
 import os
 import re
 import stat
-import tempfile
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlc_store.backends.directory import READ_ONLY_ERRNOS, is_store
+from kvlc_store.store_checks import check_directory, check_owner, check_private
 
 PREFIX = "kv_connector_extra_config"
 
@@ -158,19 +157,25 @@ def redis_password(config: StoreConfig) -> str | None:
             )
         return value
     if config.redis_password_file is not None:
+        name = f"{PREFIX}['redis_password_file'] = {str(config.redis_password_file)!r}"
         try:
-            lines = config.redis_password_file.read_text().splitlines()
+            with open(config.redis_password_file, "rb") as f:
+                mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+                lines = f.read().decode().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(
-                f"{PREFIX}['redis_password_file'] = "
-                f"{str(config.redis_password_file)!r}: cannot read it ({e}); "
-                "point it at a readable file"
+                f"{name}: cannot read it ({e}); point it at a readable file"
             ) from None
+        if mode & 0o077:
+            # Another local user could read the password (and query the
+            # store's Redis), or write one of their own.
+            raise ValueError(
+                f"{name}: other users may read or write it (mode {mode:o}); "
+                "chmod 600 it"
+            )
         if not lines or not lines[0].strip():
             raise ValueError(
-                f"{PREFIX}['redis_password_file'] = "
-                f"{str(config.redis_password_file)!r}: its first line is "
-                "empty; write the password there"
+                f"{name}: its first line is empty; write the password there"
             )
         return lines[0].strip()
     return None
@@ -407,9 +412,10 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         if not isinstance(raw, str) or not raw:
             bad("path", raw, "set the directory the store keeps its chunks in")
         else:
-            path = Path(raw).expanduser().resolve()
+            given = Path(os.path.abspath(Path(raw).expanduser()))
+            path = given.resolve()
             if check_store and not problems:
-                problem = _check_directory(path)
+                problem = check_directory(path)
                 if problem:
                     bad("path", raw, problem)
     elif backend == "redis":
@@ -435,9 +441,15 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         else:
             redis_url = raw
     if backend == "directory" and path is not None and check_store and not problems:
-        problem = _check_private(path, bool(group_access))
+        # The path as given and as resolved: a link on the way is replaced
+        # by whoever may write the directory holding it.
+        problem = (
+            check_private(given, bool(group_access))
+            or check_private(path, bool(group_access))
+            or check_owner(path, bool(group_access))
+        )
         if problem:
-            bad("path", str(path), problem)
+            bad("path", extra["path"], problem)
 
     config = StoreConfig(
         backend=str(backend),
@@ -491,28 +503,6 @@ def check_vllm_config(config: StoreConfig, enable_prefix_caching: bool) -> None:
         )
 
 
-def _check_directory(path: Path) -> str | None:
-    """Why ``path`` cannot hold a store, or None. Creates nothing: an
-    existing directory is probed with a temporary file (removed at once), a
-    missing one through its nearest existing parent."""
-    if path.exists() and not path.is_dir():
-        return "exists and is not a directory; point it at a directory"
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{probe} is not a directory; point it at a directory"
-    try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".kvlc-probe-")
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        if probe == path and e.errno in READ_ONLY_ERRNOS and is_store(path):
-            return None  # A read-only store: served for hits, never written.
-        return f"cannot create or write it ({e.strerror}); use a writable directory"
-    return None
-
-
 def _check_redis(config: StoreConfig) -> str | None:
     """Why the store's Redis cannot be used, or None: it must answer a PING,
     and accept us (the password; not in protected mode)."""
@@ -554,40 +544,3 @@ def _check_redis(config: StoreConfig) -> str | None:
     finally:
         backend.close()
     return None
-
-
-def _check_private(path: Path, group_access: bool) -> str | None:
-    """Why the store at ``path`` (or the directories above it) lets other
-    users write it, or None. A store others can write serves whatever they
-    put there: KV of their choosing under a prompt's key. A directory above
-    it that others can write (without the sticky bit, as /tmp has) lets them
-    replace the store itself. The store's owner is trusted: another user's
-    store that this one may only read is served read-only."""
-    allowed = stat.S_IWOTH | (0 if group_access else stat.S_IWGRP)
-    probe = path
-    while True:
-        try:
-            st = probe.lstat()
-        except FileNotFoundError:
-            st = None
-        except OSError:
-            return None  # the writability check reports it
-        if st is not None:
-            sticky = bool(st.st_mode & stat.S_ISVTX)
-            if probe == path or probe in (path / "chunks", path / "leases"):
-                if st.st_mode & allowed:
-                    share = "others" if group_access else "its group or others"
-                    return (
-                        f"{probe} is writable by {share} (mode "
-                        f"{stat.S_IMODE(st.st_mode):o}), who could put any KV "
-                        f"there; chmod {'770' if group_access else '700'} it"
-                    )
-            elif st.st_mode & stat.S_IWOTH and not sticky:
-                return (
-                    f"{probe}, above the store, is writable by every user (mode "
-                    f"{stat.S_IMODE(st.st_mode):o}), who could replace the store; "
-                    "chmod o-w it or put the store elsewhere"
-                )
-        if probe.parent == probe:
-            return None
-        probe = probe.parent

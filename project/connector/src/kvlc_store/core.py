@@ -20,7 +20,7 @@ from kvlc_store.backends import (
 )
 from kvlc_store.chunk import FORMAT_VERSION, ChunkError
 from kvlc_store.config import StoreConfig, redis_password
-from kvlc_store.identity import model_identity
+from kvlc_store.identity import config_content, model_identity
 from kvlc_store.stats import StoreConnectorStats
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ logger = init_logger(f"vllm.{__name__}")
 
 # Bumped whenever what store_identity describes changes, so chunks keyed the
 # old way are a miss (another identity), never a wrong hit.
-IDENTITY_VERSION = 2
+IDENTITY_VERSION = 3
 
 # After a store failure, its operations are skipped (a miss, a skipped save)
 # for RETRY_FIRST_S (on Redis at least RETRY_TIMEOUTS times redis_timeout_s,
@@ -44,16 +44,27 @@ RETRY_FIRST_S = 5.0
 RETRY_TIMEOUTS = 4
 RETRY_MAX_S = 60.0
 
+# Evictions are told when they start, then at most once per this many
+# seconds, with what was evicted since: a store at its cap evicts on every
+# save.
+EVICTIONS_LOG_S = 60.0
+
 
 def store_identity(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None
 ) -> str:
-    """A digest of everything that makes stored KV usable by this server:
-    the chunk format, the model (``model_identity``: its files' content, or
-    ``model_id``; never the path it was given by), its dtype and
-    quantization, its KV cache layout (per group: layers, spec), the TP
-    size, the block size and the block hash algorithm. Same on the scheduler
-    and every worker of a server, and on every server with the same setup."""
+    """A digest of everything that determines the bytes of stored KV: the
+    chunk format, the model (``model_identity``: its files' content, KV
+    scales of the checkpoint included, or ``model_id``; never the path it
+    was given by), the content of its resolved config (``config_content``:
+    ``--hf-config-path`` and ``--hf-overrides`` applied, its quantization
+    config included), its dtype, quantization and KV cache dtype (fp8's
+    e4m3 and e5m2 are both bytes in the cache spec), its KV cache layout
+    (per group: layers, spec), the TP size, the block size and the block
+    hash algorithm. Same on the scheduler and every worker of a server, and
+    on every server with the same setup. Whatever vLLM adds to the config
+    is in its content; a new setting of vLLM's own that changes the KV
+    bytes must be added here."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -66,9 +77,12 @@ def store_identity(
         "format": FORMAT_VERSION,
         "identity": IDENTITY_VERSION,
         "model": model_identity(model.model, model.revision, model_id),
+        "config": config_content(model.hf_config),
         "hf_overrides": _described(model.hf_overrides),
         "quantization": model.quantization,
         "dtype": str(model.dtype),
+        "cache_dtype": str(cache.cache_dtype),
+        "cache_dtype_skip_layers": list(cache.kv_cache_dtype_skip_layers),
         "block_size": cache.block_size,
         "hash_algo": cache.prefix_caching_hash_algo,
         "tensor_parallel_size": parallel.tensor_parallel_size,
@@ -154,6 +168,32 @@ class StoreCore:
         # False on the workers when the scheduler looks prompts up: it says
         # when reads fail, once for the server.
         self._tells_read_outages = tells_read_outages
+        # Evictions not yet told, and when they were last told.
+        self._evicted_untold = 0
+        self._evictions_told_at: float | None = None
+
+    def evicted(self, n: int) -> None:
+        """A save evicted ``n`` chunks to keep the store under its cap:
+        count them, and say so when it starts and then at most every
+        ``EVICTIONS_LOG_S`` (the metrics line alone would leave a cap set too
+        small unnoticed)."""
+        if n <= 0:
+            return
+        self.stats.inc("evictions", n)
+        self._evicted_untold += n
+        now = time.monotonic()
+        told = self._evictions_told_at
+        if told is not None and now - told < EVICTIONS_LOG_S:
+            return
+        logger.info(
+            "StoreConnector: the store reached its capacity (%.2f GiB): evicted "
+            "%d least recently used chunks%s; raise capacity to keep more",
+            self.config.capacity_bytes / 2**30,
+            self._evicted_untold,
+            "" if told is None else f" in the last {now - told:.0f} s",
+        )
+        self._evicted_untold = 0
+        self._evictions_told_at = now
 
     def set_kv_layout(self, layout: str) -> None:
         """Key chunks by the workers' KV layout too (scheduler side): servers

@@ -3,7 +3,9 @@
 Two servers share chunks when their KV would be the same. For the model,
 that is its content, not the path a server was given: one model directory
 mounted at two paths, or named relative and absolute, is one model; two
-checkpoints with the same architecture and different weights are two.
+checkpoints with the same architecture and different weights are two; one
+checkpoint read with two configs (``--hf-config-path``, ``--hf-overrides``:
+another RoPE base, say) is two.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import xxhash
 from vllm.logger import init_logger
@@ -34,6 +37,29 @@ def model_identity(model: str, revision: str | None, model_id: str | None) -> st
     if path.is_dir():
         return f"files:{directory_digest(path)}"
     return f"hub:{model}@{revision or 'default'}"
+
+
+def config_content(hf_config: Any) -> object:
+    """The content of a model's resolved Hugging Face config (vLLM's
+    ``ModelConfig.hf_config``: read from the model or ``--hf-config-path``,
+    ``--hf-overrides`` applied), as plain data: every setting, nested
+    configs included, so a setting added to some future model is in it too.
+    Without what only says where or by what it was read (``_name_or_path``
+    and the other ``_`` entries, ``transformers_version``): one config under
+    two paths is one content."""
+    return _settings(hf_config.to_dict())
+
+
+def _settings(value: object) -> object:
+    if isinstance(value, dict):
+        return {
+            str(k): _settings(v)
+            for k, v in value.items()
+            if not str(k).startswith("_") and k != "transformers_version"
+        }
+    if isinstance(value, list | tuple):
+        return [_settings(v) for v in value]
+    return value
 
 
 def directory_digest(root: Path) -> str:

@@ -609,7 +609,7 @@ class WorkerSide:
             core.available("write")
         core.stats.inc("stored_bytes", HEADER_BYTES + size)
         core.stats.inc("stored_chunks")
-        core.stats.inc("evictions", evicted or 0)
+        core.evicted(evicted or 0)
         return True
 
     def handle_preemptions(self, meta: StoreMetadata) -> None:

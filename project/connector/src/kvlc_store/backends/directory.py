@@ -28,6 +28,16 @@ _IOV_MAX = 512
 
 _T = TypeVar("_T")
 
+# What a chunk file that is not one is called in the log.
+_FILE_KINDS = {
+    stat.S_IFLNK: "symbolic link",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "directory",
+}
+
 # What writing to a read-only store fails with: a read-only mount, or a
 # directory this user may read but not write.
 READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -54,6 +64,46 @@ def _read_only(root: Path) -> bool:
     return False
 
 
+# How a chunk file is opened: never through a symbolic link (one to a chunk
+# outside the store would be served; one to a FIFO would block the reader
+# until something writes it), and without blocking (a FIFO planted under a
+# chunk's name opens at once and is refused by its type).
+_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def open_chunk_file(
+    path: str | Path,
+    trusted: Callable[[str | Path, os.stat_result], bool] | None = None,
+) -> tuple[int, os.stat_result] | None:
+    """Open the chunk file at ``path`` for reading: its descriptor and
+    stat, or None if there is no such file, it is not a regular file (a
+    symbolic link, a FIFO, a device: refused through ``trusted``, which
+    tells why), or ``trusted`` refuses it (by its owner and mode). Other
+    ``OSError`` as raised. The caller closes the descriptor."""
+    try:
+        fd = os.open(path, _OPEN_CHUNK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        # O_NOFOLLOW met a symbolic link: refused by its own stat.
+        if trusted is not None:
+            trusted(path, os.lstat(path))
+        return None
+    try:
+        st = os.fstat(fd)
+        if (trusted is not None and not trusted(path, st)) or not stat.S_ISREG(
+            st.st_mode
+        ):
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_chunk_file(
     path: str | Path,
     head_bytes: int,
@@ -62,20 +112,17 @@ def read_chunk_file(
 ) -> Head | None:
     """Read the chunk file at ``path``: its first ``head_bytes`` bytes, and
     the rest straight into ``into`` when the lengths match (``read_into``'s
-    contract). None if there is no such file, or ``trusted`` refuses it (by
-    its owner and mode); other ``OSError`` as raised.
+    contract). None if there is no such file, or it is refused
+    (``open_chunk_file``); other ``OSError`` as raised.
 
     Chunk files are written to a temporary name and renamed into place,
     never rewritten, so a short read is a file system failing.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    opened = open_chunk_file(path, trusted)
+    if opened is None:
         return None
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if trusted is not None and not trusted(path, st):
-            return None
         size = st.st_size
         head = os.pread(fd, head_bytes, 0)
         if size == head_bytes + sum(t.nbytes for t in into):
@@ -146,12 +193,17 @@ class DirectoryBackend:
         if not self.read_only:
             self._make_layout()
             self._clean_tmp()
-        # Who may have written its chunks: this user, and the store's owner
-        # (another user's store this one only reads), and with group_access
-        # the store's group.
+        # Who may have written its chunks: this user; in a store this one
+        # only reads (one another user prebuilt), its owner; with
+        # group_access, the store's group. Never the owner of a store this
+        # one writes: a user who made the directory a root server was
+        # pointed at could have put any KV in it (``parse_config`` refuses
+        # such a store; this keeps its chunks out if the check was skipped).
         st = root.stat()
         self.owner_uid = st.st_uid
-        self._trusted_uids = {os.geteuid(), st.st_uid}
+        self._trusted_uids = {os.geteuid()}
+        if self.read_only:
+            self._trusted_uids.add(st.st_uid)
         self._gid = st.st_gid
 
     def _make_layout(self) -> None:
@@ -187,30 +239,46 @@ class DirectoryBackend:
             f.write(text)
 
     def _trusted(self, path: str | Path, st: os.stat_result) -> bool:
-        """Whether the chunk file ``path`` is one this store wrote: owned by
-        this user or the store's owner (or, with ``group_access``, in the
-        store's group), and writable by no one else. Any other is refused
-        with a warning: a user who could write there could have put any KV
-        under the key."""
+        """Whether the chunk file ``path`` (``st``: its stat, or its lstat
+        for a symbolic link) is one this store wrote: a regular file, owned
+        by a trusted user (this one; the owner of a store this one only
+        reads) or, with ``group_access``, in the store's group, and writable
+        by no one else. Any other is refused with a warning, once per file:
+        a user who could write there could have put any KV under the key."""
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "special file")
+            self._refuse(
+                path,
+                f"it is a {kind}, not a regular file this store wrote (chunks "
+                "are read without following links)",
+            )
+            return False
         mine = st.st_uid in self._trusted_uids or (
             self.group_access and st.st_gid == self._gid
         )
         others = stat.S_IWOTH | (0 if self.group_access else stat.S_IWGRP)
         if mine and not st.st_mode & others:
             return True
-        if str(path) not in self._untrusted_told:
-            self._untrusted_told.add(str(path))
-            logger.warning(
-                "StoreConnector: chunk file %s is not served: it belongs to uid "
-                "%d (mode %o), not to this user or the store's owner%s, or "
-                "others may write it; another user may have written it. Remove "
-                "it (a store shared by a group needs group_access: true)",
-                path,
-                st.st_uid,
-                stat.S_IMODE(st.st_mode),
-                " or group" if self.group_access else "",
-            )
+        self._refuse(
+            path,
+            f"it belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), "
+            "not to this user"
+            + (" or the store's group" if self.group_access else "")
+            + ", or others may write it; another user may have written it",
+        )
         return False
+
+    def _refuse(self, path: str | Path, why: str) -> None:
+        """Warn, once per file, that the chunk file ``path`` is not served."""
+        if str(path) in self._untrusted_told:
+            return
+        self._untrusted_told.add(str(path))
+        logger.warning(
+            "StoreConnector: chunk file %s is not served: %s. Remove it (a "
+            "store shared by a group needs group_access: true)",
+            path,
+            why,
+        )
 
     def _io(self, op: Callable[[], _T]) -> _T:
         """Run one store operation, with file-system errors as
@@ -278,8 +346,12 @@ class DirectoryBackend:
 
     def _put(self, key: str, parts: list[memoryview]) -> int | None:
         path = self._path(key)
-        if path.exists():
-            return None
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                return None
+            # Not a chunk (a link, a FIFO): replaced by the one written now.
+        except FileNotFoundError:
+            pass
         self._mkdirs(path.parent)
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -311,13 +383,15 @@ class DirectoryBackend:
         return self._io(lambda: self._get(key))
 
     def _get(self, key: str) -> bytes | None:
-        path = self._path(key)
-        try:
-            if not self._trusted(path, path.stat()):
-                return None
-            data = path.read_bytes()
-        except FileNotFoundError:
+        path = self._file(key)
+        opened = open_chunk_file(path, self._trusted)
+        if opened is None:
             return None
+        fd, st = opened
+        try:
+            data = os.pread(fd, st.st_size, 0)
+        finally:
+            os.close(fd)
         self._used(path)
         return data
 
@@ -325,7 +399,8 @@ class DirectoryBackend:
         """Mark a chunk just read as used (LRU order is mtime)."""
         if not self.read_only:
             try:
-                os.utime(path)
+                # The link itself if the chunk was replaced by one since.
+                os.utime(path, follow_symlinks=False)
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -338,14 +413,11 @@ class DirectoryBackend:
 
     def _peek(self, key: str, n: int) -> Head | None:
         path = self._file(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        opened = open_chunk_file(path, self._trusted)
+        if opened is None:
             return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if not self._trusted(path, st):
-                return None
             return os.pread(fd, n, 0), st.st_size
         finally:
             os.close(fd)
@@ -376,7 +448,7 @@ class DirectoryBackend:
         path = self._path(key)
         with self._locked():
             try:
-                size = path.stat().st_size
+                size = path.lstat().st_size
                 path.unlink()
             except FileNotFoundError:
                 return
@@ -406,7 +478,7 @@ class DirectoryBackend:
         total = 0
         for p in self._iter_chunk_files():
             with contextlib.suppress(FileNotFoundError):
-                total += p.stat().st_size
+                total += p.lstat().st_size
         return total
 
     # -- leases -----------------------------------------------------------
@@ -450,7 +522,15 @@ class DirectoryBackend:
     def _stored_run(self, keys: Sequence[str]) -> int:
         n = 0
         for key in keys:
-            if not os.path.exists(self._file(key)):
+            # A regular file only: a link or a FIFO under a chunk's name is
+            # not a chunk.
+            path = self._file(key)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                break
+            if not stat.S_ISREG(st.st_mode):
+                self._trusted(path, st)  # refused, with its line
                 break
             n += 1
         return n
@@ -506,7 +586,7 @@ class DirectoryBackend:
         entries: list[tuple[float, int, Path]] = []
         for p in self._iter_chunk_files():
             try:
-                st = p.stat()
+                st = p.lstat()
             except FileNotFoundError:
                 continue
             entries.append((st.st_mtime, st.st_size, p))
