@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,23 @@ def test_pr_text_may_link_upstream():
         prtext.message_problems(_entry(message), prtext.template_headings_of(TEMPLATE))
         == []
     )
+
+
+def _padded(words: int) -> str:
+    """GOOD_MESSAGE padded inside a code block to exactly ``words`` words."""
+    padding = words - len(GOOD_MESSAGE.split())
+    return GOOD_MESSAGE.replace("```\n", "```\n" + "x " * padding + "\n", 1)
+
+
+def test_pr_text_has_at_most_400_words(tmp_path: Path):
+    headings = prtext.template_headings_of(TEMPLATE)
+    assert prtext.message_problems(_entry(_padded(400)), headings) == []
+    (problem,) = prtext.message_problems(_entry(_padded(401)), headings)
+    assert "401 words (wc -w), over the 400" in problem
+    path = tmp_path / "message.md"
+    path.write_text(_padded(401))
+    wc = subprocess.run(["wc", "-w", str(path)], capture_output=True, text=True)
+    assert int(wc.stdout.split()[0]) == prtext.word_count(_padded(401)) == 401
 
 
 def test_the_pristine_template_is_found(pristine: Path):

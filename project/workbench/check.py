@@ -9,7 +9,8 @@
 7. Every retired test exists in the pristine sdist and is gone after its entry.
 8. Every upstream test file an entry edits is declared in its edited-tests.
 9. Every PR message has the sections of the release's PR template, discloses AI
-   assistance and names no path only this repository has.
+   assistance, names no path only this repository has and has at most 400
+   words (``wc -w``); every over-long message is reported, not just the first.
 10. Upstream's own hooks (ruff, ruff-format, mypy, ...) pass on every touched file.
 """
 

@@ -5,7 +5,8 @@ The rules come from the pristine release, not from copies kept here:
 in order) and ``AGENTS.md`` asks AI-assisted PRs to say so. A message must
 also be readable in a plain vLLM checkout, so it may not name a path that only
 this repository has (the workbench, ``project/``, ``patches/``, the
-materialized tree).
+materialized tree), and must be short enough to be read: at most
+``MAX_WORDS`` words.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ PROJECT_ONLY = (
     (re.compile(r"(?<![\w/.-])build/(?:vllm|regress-tree|venv|export)\b"), "build/"),
 )
 _AI_DISCLOSURE = re.compile(r"(?i)\bAI[- ]assist")
+# A usual vLLM PR description, template included, is 100-300 words.
+MAX_WORDS = 400
+
+
+def word_count(message: str) -> int:
+    """Words of a PR text as ``wc -w`` counts them: whitespace-separated runs.
+
+    Everything counts, code blocks and the template's checklist included: the
+    limit is what a reviewer reads, and a reviewer reads the commands to run as
+    much as the prose (an exempt code block is also where a pasted log or a
+    design argument would hide). So ``wc -w message.md`` gives the same number.
+    """
+    return len(message.split())
 
 
 def template_headings(pristine: Path) -> list[str]:
@@ -54,6 +68,14 @@ def message_problems(entry: Entry, headings: list[str]) -> list[str]:
     text = re.sub(r"(?ms)^```.*?^```", "", entry.message)
     text = re.sub(r"(?m)^(?: {4}|\t).*$", "", text)
     problems = []
+    words = word_count(entry.message)
+    if words > MAX_WORDS:
+        problems.append(
+            f"{where}: {words} words (wc -w), over the {MAX_WORDS} a PR text may "
+            "have; keep what and why, the upstream thread answered and the "
+            "commands a reviewer runs, and move the design argument to the "
+            "entry's docs/design/ page"
+        )
     found = _HEADING.findall(text)
     if [h for h in found if h in headings] != headings:
         problems.append(

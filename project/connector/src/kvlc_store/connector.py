@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StoreConnector", "store_identity"]
 
-# Stack entry 2 (the explicit external-match lifecycle), when installed.
+# The stack's external-match-lifecycle entry, when installed.
 try:
     ExternalKVMatch: Any = importlib.import_module(
         "vllm.distributed.kv_transfer.kv_connector.v1.external_match"
@@ -284,7 +284,8 @@ class StoreConnector(KVConnectorBase_V1):
             request, blocks.get_block_ids()[0], num_external_tokens
         )
 
-    # Explicit lifecycle (stack entry 2), used by the scheduler when present.
+    # Explicit lifecycle (the external-match-lifecycle entry), used by the
+    # scheduler when present.
 
     def prepare_external_match(self, request: Request, num_computed_tokens: int) -> Any:
         assert ExternalKVMatch is not None
@@ -317,7 +318,7 @@ class StoreConnector(KVConnectorBase_V1):
         return self._scheduler.build_meta(scheduler_output)
 
     def bind_scheduler_context(self, scheduler_context: Any) -> None:
-        """Stack entry 3: the scheduler's typed view of its KV cache."""
+        """The scheduler-context entry: the scheduler's typed view of its KV cache."""
         self._scheduler.context = scheduler_context
         if self._config.offload == "lazy" and not self._core.backend.read_only:
             scheduler = self._vllm_config.scheduler_config

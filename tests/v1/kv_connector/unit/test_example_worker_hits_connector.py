@@ -169,6 +169,21 @@ def test_example_connector_hits_repeated_prompt(vllm_config: Any):
     assert so.num_scheduled_tokens["salted"] == 100
 
 
+def test_example_connector_stores_at_most_max_stored_blocks(vllm_config: Any):
+    vllm_config.kv_transfer_config.kv_connector_extra_config["max_stored_blocks"] = 2
+    scheduler = create_scheduler(vllm_config)
+    worker = _worker_connector(vllm_config)
+    runner = external_hits.WorkerExternalHits(worker)
+    scheduler.add_request(_request("first"))
+    _run_step(scheduler, worker, runner)
+    assert len(worker.store) == 2
+
+    scheduler.add_request(_request("repeat"))
+    _run_step(scheduler, worker, runner)
+    assert runner.applied == {"repeat": 2 * BLOCK_SIZE}
+    assert len(worker.store) == 2
+
+
 def test_example_connector_loads_only_the_applied_hits(vllm_config: Any):
     """Where the ranks agreed on less than this worker reported, it loads
     only the agreed blocks (on_external_hits_applied)."""

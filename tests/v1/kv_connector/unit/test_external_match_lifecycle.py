@@ -8,6 +8,7 @@ forwarding and the opt-in ExternalMatchChecker."""
 import dataclasses
 import os
 import random
+import sys
 from collections import Counter
 from typing import Any
 from unittest.mock import Mock, patch
@@ -281,6 +282,64 @@ def test_legacy_connector_is_called_directly_by_the_scheduler():
     connector.commit_external_match.assert_not_called()
 
 
+def _functions_called(step: Any) -> set[str]:
+    """The Python functions step() calls, as "file:qualified name"."""
+    called: set[str] = set()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            called.add(f"{os.path.basename(code.co_filename)}:{code.co_qualname}")
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+@pytest.mark.parametrize("with_connector", [False, True])
+def test_steps_without_a_lifecycle_connector_call_no_lifecycle_code(
+    with_connector: bool,
+):
+    # With no connector, or one that does not use the lifecycle, a step runs
+    # Scheduler.schedule() itself (no wrapper frame) and nothing of the
+    # lifecycle but the forwarding of the legacy calls.
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config={"matched_tokens": BLOCK_SIZE, "is_async": False},
+        block_size=BLOCK_SIZE,
+    )
+    if not with_connector:
+        vllm_config.kv_transfer_config = None
+    scheduler = create_scheduler(vllm_config)
+    assert (scheduler.connector is not None) == with_connector
+    for _ in range(3):
+        scheduler.add_request(create_request(num_tokens=50, block_size=BLOCK_SIZE))
+    outputs: list[SchedulerOutput] = []
+
+    def step() -> None:
+        so = scheduler.schedule()
+        outputs.append(so)
+        scheduler.update_from_output(so, _model_output(scheduler, so))
+
+    called = _functions_called(step)
+    assert outputs[0].num_scheduled_tokens
+    assert "scheduler.py:Scheduler.schedule" in called
+    lifecycle = {c for c in called if c.startswith("external_match.py:")}
+    if not with_connector:
+        assert lifecycle == set()
+    else:
+        assert lifecycle == {
+            "external_match.py:ExternalMatchCalls.prepare",
+            "external_match.py:ExternalMatchCalls.commit",
+            "external_match.py:ExternalMatchCalls.end_pass",
+        }
+
+
 def test_bare_mock_connector_is_driven_through_the_legacy_pair():
     # Out-of-tree harnesses replace Scheduler.connector by a Mock configured
     # through the legacy methods; it is not a KVConnectorBase_V1 subclass
@@ -546,7 +605,7 @@ def test_abort_when_the_pass_raises():
 def test_commit_of_external_tokens_needs_a_prepared_match():
     lifecycle = ExternalMatchLifecycle()
     request = create_request(num_tokens=80, block_size=BLOCK_SIZE)
-    with pytest.raises(AssertionError, match="without a prepared match"):
+    with pytest.raises(ExternalMatchLifecycleError, match="without a prepared match"):
         lifecycle.commit(Mock(), request, Mock(), num_tokens=16, load_kv_async=True)
 
 

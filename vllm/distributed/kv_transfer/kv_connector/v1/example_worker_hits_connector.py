@@ -6,9 +6,11 @@ KVConnectorBase_V1.before_update_states() (see docs/features/disagg_prefill.md).
 Each worker keeps the KV of full prompt blocks in its process memory, keyed
 by vLLM's block hashes (Request.block_hashes, sent by the scheduler side in
 the connector metadata) inside a namespace for what the hashes leave out.
-It is an example, not a cache: nothing is evicted, only requests scheduled
-for the first time are stored or hit, and the KV layout per layer must be
-``[2, num_blocks, ...]`` (FlashAttention's and the CPU backend's).
+It is an example, not a cache: nothing is evicted, at most
+``max_stored_blocks`` blocks (extra config, default 256) are kept, on the
+device of the KV cache, only requests scheduled for the first time are stored
+or hit, and the KV layout per layer must be ``[2, num_blocks, ...]``
+(FlashAttention's and the CPU backend's).
 
 Use it with::
 
@@ -91,6 +93,9 @@ class ExampleWorkerHitsConnector(KVConnectorBase_V1):
         self._new_block_hashes: dict[str, list[BlockHash]] = {}
         # Worker side.
         self.store: dict[StoreKey, dict[str, torch.Tensor]] = {}
+        # Each stored block is a copy outside vLLM's KV cache budget.
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.max_stored_blocks = int(extra.get("max_stored_blocks", 256))
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.namespace = ""
         # Request id -> (block id, key) of each block reported as a hit.
@@ -199,6 +204,8 @@ class ExampleWorkerHitsConnector(KVConnectorBase_V1):
                 req.block_hashes[: req.num_full_blocks],
             ):
                 key = self.key(block_hash)
+                if len(self.store) >= self.max_stored_blocks:
+                    return
                 if key not in self.store:
                     self.store[key] = {
                         name: kv_cache[:, block_id].clone()

@@ -41,23 +41,11 @@ class WorkerExternalHits:
 
     Each model runner creates one for a connector for which
     uses_worker_external_hits() is True and calls apply() on every step,
-    before it updates its request states. Which requests may take a hit is
-    decided from the facts the scheduler uses for local prefix-cache hits,
-    so a request that may not skip its prompt there cannot skip it here:
-
-    - requests that must compute their prompt (skip_reading_prefix_cache:
-      prompt logprobs, pooling over every token) get nothing;
-    - hybrid models with Mamba layers get nothing: the recurrent state after
-      the skipped tokens is not in any block a hit could point at;
-    - models with more than one KV cache group (sliding window beside full
-      attention) get nothing: the scheduler maps a failed load back to its
-      request by block id only for a single group, and raises otherwise
-      (Scheduler._handle_invalid_blocks), so a failed hit there could not
-      be recomputed;
-    - only prompt tokens of requests without speculative tokens may be
-      skipped, never the last scheduled one nor the last prompt token, so
-      every request keeps a token in the batch and samples from its full
-      prompt.
+    before it updates its request states. Only prompt tokens of requests that
+    read the prefix cache and have no speculative tokens may be skipped, never
+    the last scheduled or last prompt token; models with Mamba layers or more
+    than one KV cache group get no hit (a failed load there could not be
+    recomputed). docs/features/disagg_prefill.md gives the reasons.
     """
 
     def __init__(self, connector: "KVConnectorBase_V1"):
@@ -88,22 +76,13 @@ class WorkerExternalHits:
 
     def apply(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """Return scheduler_output with the connector's hits applied, each the
-        minimum over the ranks that share this step's batch, and set
-        ``applied`` to them (None when none was applied).
+        minimum over the ranks that share this step's batch, set ``applied``
+        to them (None when none) and pass them to on_external_hits_applied().
 
-        After the ranks agree, the connector's on_external_hits_applied()
-        gets the applied hits (empty if none), so it loads only those.
-
-        Every tensor- and prefill-context-parallel rank must call this for
-        every step. When a request may take a hit, every rank joins one
-        all-reduce, whatever its connector did: a rank whose hook raised or
-        returned a bad value reports the failure there, and then every rank
-        raises the same RuntimeError, so none is left waiting in the
-        collective.
-
-        Raises:
-            RuntimeError: if the hook failed on any rank.
-
+        Every tensor- and prefill-context-parallel rank must call this every
+        step. When a request may take a hit every rank joins one all-reduce,
+        whatever its hook did, so none is left waiting: if the hook raised or
+        returned a bad value on any rank, every rank raises RuntimeError.
         """
         self.applied = None
         self._track_requests(scheduler_output)
@@ -258,16 +237,11 @@ def stage_applied_external_hits(
     """Write the advanced num_computed_tokens of running requests with a hit
     to Model Runner V2's GPU copy, within the step's one write of it.
 
-    V2 writes num_computed_tokens to the GPU only in add_request() and then
-    advances it on the GPU; update_requests() refreshes only the CPU mirror.
-    A hit on a running request (a later chunk of a chunked prefill) must
-    reach the GPU too, or positions and slot mappings are computed from the
-    old count. New requests get the advanced count through add_request().
-
-    Call before add_requests(). Each write uses the next of the staging
-    buffers that the tensor round-robins over, sized for one write per step
-    in flight: in a step that adds requests the write is only staged and
-    add_requests() applies it with theirs; otherwise it is applied here.
+    V2's update_requests() refreshes only the CPU mirror, so a hit on a
+    running request (a later chunk) must reach the GPU here, or positions
+    and slot mappings use the old count. Call before add_requests(): in a
+    step that adds requests the write is only staged and add_requests()
+    applies it with theirs (one staging buffer per step in flight).
     """
     cached_reqs = scheduler_output.scheduled_cached_reqs
     num_computed = req_states.num_computed_tokens

@@ -20,7 +20,7 @@ lifecycle existed, with no match objects created.
 ExternalMatchLifecycle is the scheduler's side of the contract: it keeps the
 matches prepared in the current scheduling pass and aborts those still open
 when the pass ends, whichever way the request left the pass, including an
-exception (aborts_open_matches_on_error).
+exception (abort_open_matches_on_error).
 ExternalMatchChecker checks the contract at runtime for connector authors
 (VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1).
 """
@@ -28,15 +28,12 @@ ExternalMatchChecker checks the contract at runtime for connector authors
 import dataclasses
 import functools
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
     Any,
-    Concatenate,
     Generic,
     NoReturn,
-    ParamSpec,
     Protocol,
     TypeVar,
 )
@@ -146,17 +143,11 @@ class ExternalMatchCalls:
     """How the Scheduler asks its connector for external tokens and tells it
     what it admitted; chosen once per scheduler by for_connector().
 
-    Scheduler.schedule() calls prepare() where it asks the connector for
-    external tokens, commit() once the request's blocks are allocated, and
-    end_pass() when its pass over the waiting queues ends. This class makes
-    the legacy calls: get_num_new_matched_tokens() and
-    update_state_after_alloc(), nothing kept between them, for a connector
-    that does not use the lifecycle (and for no connector, for which the
-    scheduler calls none of them). ExternalMatchLifecycle makes the
-    lifecycle calls.
-
-    The connector is passed to every call rather than bound once, as the
-    Scheduler's connector may be replaced after construction (tests do).
+    Scheduler.schedule() calls prepare() at the lookup, commit() once the
+    blocks are allocated and end_pass() after the waiting queues; with no
+    connector it calls none of them. This class makes the legacy calls;
+    ExternalMatchLifecycle the lifecycle ones. The connector is passed to
+    every call, as tests replace the Scheduler's connector after it is built.
     """
 
     @staticmethod
@@ -176,8 +167,13 @@ class ExternalMatchCalls:
         num_computed_tokens: int,
     ) -> tuple[int | None, bool]:
         """Ask the connector for external tokens: (tokens, load_kv_async),
-        (None, False) for "ask again later"."""
-        return connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        (None, False) for "ask again later". A request that does not read the
+        prefix cache is still looked up, as before the lifecycle, but takes
+        no external tokens."""
+        matched = connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        if request.skip_reading_prefix_cache:
+            return 0, False
+        return matched
 
     def commit(
         self,
@@ -201,11 +197,6 @@ class ExternalMatchCalls:
         ``new_reqs`` and ``resumed_reqs``. Nothing to release here."""
         return
 
-    def abort_open(self, connector: "KVConnectorBase_V1 | None") -> None:
-        """Release what the pass prepared and did not commit; called when the
-        pass ends by an exception. Nothing to release here."""
-        return
-
 
 class _MatchingScheduler(Protocol):
     @property
@@ -214,31 +205,33 @@ class _MatchingScheduler(Protocol):
     @property
     def connector(self) -> "KVConnectorBase_V1 | None": ...
 
-
-_SchedulerT = TypeVar("_SchedulerT", bound=_MatchingScheduler)
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
+    def schedule(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def aborts_open_matches_on_error(
-    schedule: Callable[Concatenate[_SchedulerT, _P], _R],
-) -> Callable[Concatenate[_SchedulerT, _P], _R]:
-    """Decorates Scheduler.schedule(): if it raises, abort the matches its
-    pass prepared and had not committed before the exception propagates, so
-    a pin or lease is released even when the pass never reaches end_pass()
-    (and the next prepare for the request does not find it still open)."""
+def abort_open_matches_on_error(scheduler: _MatchingScheduler) -> None:
+    """Called once by Scheduler.__init__, after it chose external_matches.
+
+    For a connector that uses the lifecycle, wraps this scheduler's
+    schedule() so that if it raises, the matches its pass prepared and did
+    not commit are aborted before the exception propagates (the pass never
+    reaches end_pass()). Other schedulers keep their plain schedule(): no
+    wrapper frame in a step without a lifecycle connector.
+    """
+    matches = scheduler.external_matches
+    if not isinstance(matches, ExternalMatchLifecycle):
+        return
+    schedule = scheduler.schedule
 
     @functools.wraps(schedule)
-    def schedule_and_abort_on_error(
-        scheduler: _SchedulerT, *args: _P.args, **kwargs: _P.kwargs
-    ) -> _R:
+    def schedule_and_abort_on_error(*args: Any, **kwargs: Any) -> Any:
         try:
-            return schedule(scheduler, *args, **kwargs)
+            return schedule(*args, **kwargs)
         except BaseException:
-            scheduler.external_matches.abort_open(scheduler.connector)
+            matches.abort_open(scheduler.connector)
             raise
 
-    return schedule_and_abort_on_error
+    # An instance attribute, so only this scheduler pays for the wrapper.
+    vars(scheduler)["schedule"] = schedule_and_abort_on_error
 
 
 class ExternalMatchLifecycle(ExternalMatchCalls):
@@ -296,10 +289,11 @@ class ExternalMatchLifecycle(ExternalMatchCalls):
             # No prepare in this pass: the request resumed after its
             # asynchronous load, or does not read the prefix cache. The
             # scheduler takes external tokens only from a prepared match.
-            assert num_tokens == 0, (
-                f"{num_tokens} external tokens committed for request "
-                f"{request.request_id!r} without a prepared match"
-            )
+            if num_tokens != 0:
+                raise ExternalMatchLifecycleError(
+                    f"{num_tokens} external tokens committed for request "
+                    f"{request.request_id!r} without a prepared match"
+                )
             match = NO_EXTERNAL_MATCH
         else:
             match = entry[1]
@@ -326,6 +320,7 @@ class ExternalMatchLifecycle(ExternalMatchCalls):
             self._checker.end_pass(new_reqs, resumed_reqs)
 
     def abort_open(self, connector: "KVConnectorBase_V1 | None") -> None:
+        """Abort every match still open; called when the pass raised."""
         self._abort_open_matches(connector)
         if self._checker is not None:
             self._checker.abandon_pass()
