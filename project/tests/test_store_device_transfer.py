@@ -498,6 +498,47 @@ def test_scheduler_keeps_the_blocks_of_requests_saved_off_the_forward(
         assert scheduler.finished(idle) is False  # type: ignore[arg-type]
 
 
+def _step(req_id: str, num_computed: int, scheduled: int) -> SimpleNamespace:
+    """A scheduler output with one new request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=req_id, num_computed_tokens=num_computed)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        has_sync_kv_loads=False,
+        num_scheduled_tokens={req_id: scheduled},
+        preempted_req_ids=set(),
+    )
+
+
+def test_blocks_the_prefix_cache_serves_again_are_not_saved_again(
+    tmp_path: Path,
+):
+    """A prompt of 3 blocks and a token, then the same prompt served by
+    vLLM's prefix cache (3 blocks computed, 1 token scheduled): its blocks
+    were saved for the first request, so the second saves nothing. A prompt
+    whose cached prefix this server never saved (a block computed while
+    another request decoded) saves it."""
+    store = tmp_path / "store"
+    core = StoreCore(
+        parse_config({"path": str(store)}), DirectoryBackend(store, 10**9), IDENT, 1
+    )
+    scheduler = SchedulerSide(core, BS, worker_hits=False, manager=lambda: None)
+    scheduler.block_ids = lambda req_id: [10, 11, 12]  # type: ignore[method-assign]
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    for req_id in ("first", "again"):
+        scheduler.arrived(_Request(req_id, hashes))  # type: ignore[arg-type]
+    meta = scheduler.build_meta(_step("first", 0, 3 * BS + 1))  # type: ignore[arg-type]
+    assert [s.block_id for s in meta.saves] == [10, 11, 12]
+    meta = scheduler.build_meta(_step("again", 3 * BS, 1))  # type: ignore[arg-type]
+    assert meta.saves == []
+
+    decoded = _Request("decoded", [*hashes[:2], bytes([7]) * 32])
+    scheduler.arrived(decoded)  # type: ignore[arg-type]
+    meta = scheduler.build_meta(_step("decoded", 3 * BS, 1))  # type: ignore[arg-type]
+    assert [s.block_id for s in meta.saves] == [12]
+
+
 def test_vllm_keeps_a_finished_requests_blocks_until_its_saves_are_written(
     tmp_path: Path,
 ):

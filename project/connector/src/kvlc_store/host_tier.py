@@ -13,9 +13,11 @@ load checked (header, length, digest), so a cached chunk is never wrong KV.
 
 The store stays the source of truth for hits: the scheduler offers what its
 lookup finds in the store, and the tier only saves the read. A chunk the
-store lost is not offered even if a slot still holds it; a chunk whose save
-failed is not stored, and its slot is simply reused. Each worker (TP rank)
-has its own tier: its keys are its own rank's.
+store lost is not offered even if a slot still holds it; a chunk whose store
+write failed (or was skipped while the store is backed off from) is never
+kept (``async_save.py`` publishes a slot only after its write): it could not
+be offered, and during an outage it would push out chunks that can. Each
+worker (TP rank) has its own tier: its keys are its own rank's.
 
 Slots in use (being copied, read or written) are pinned and never reused.
 Thread-safe: the save thread, the reading threads, the step and the

@@ -3,7 +3,11 @@
 A lookup leases the longest run of stored chunks after the locally computed
 prefix and checks their headers (``verify_on_lookup``; payloads are checked
 once, when a worker loads them); the accepted part becomes a load plan in
-the step's metadata, the rest of the lease is released at once. The prompt's
+the step's metadata, the rest of the lease is released at once. A lease is
+one record per request, and what this server already saw stored and whose
+headers it checked is kept in memory until a chunk leaves the store (the
+directory store's ``generation``): a repeated hit costs no file work per
+chunk before its load, which checks every chunk again. The prompt's
 last full block is offered too, for one token less than it holds: vLLM
 computes the prompt's last token in any case, so a hit covers up to
 ``prompt length - 1`` tokens and the load fills that block whole.
@@ -15,6 +19,7 @@ blocks the buffer holds from there.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +45,8 @@ class SchedulerSide:
         worker_hits: whether the workers look up too (the stack's
             ``before_update_states``).
         manager: returns the scheduler's KV cache manager, once bound.
+        known_blocks: how many block hashes to remember as saved or loaded
+            by this server (``_known``).
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class SchedulerSide:
         block_size: int,
         worker_hits: bool,
         manager: Any,
+        known_blocks: int = 1 << 16,
     ) -> None:
         self._core = core
         self._block_size = block_size
@@ -69,6 +77,17 @@ class SchedulerSide:
         # a finished request's blocks stay until its saves are written.
         self.async_saves = False
         self._sending: set[str] = set()  # requests with such saves planned
+        # Block hashes whose save this server planned, or which it loaded,
+        # most recent last: a block vLLM's prefix cache serves again is not
+        # saved again (a copy and a digest for a chunk the store holds).
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known_blocks = known_blocks
+        # Chunk keys whose headers a lookup checked, under the store
+        # generation ``_checked_at`` (``DirectoryBackend.generation``):
+        # a chunk file is never rewritten, so its header stays good until a
+        # chunk leaves the store. The load checks every chunk again.
+        self._checked: set[str] = set()
+        self._checked_at: str | None = None
 
     def arrived(self, request: Request) -> None:
         """vLLM added ``request`` to the scheduler's queue."""
@@ -137,15 +156,23 @@ class SchedulerSide:
         one on are computed) writes it again.
         """
         core = self._core
+        generation: str | None = getattr(core.backend, "generation", None)
+        if generation is None or generation != self._checked_at:
+            self._checked.clear()
+            self._checked_at = generation
+        checked = self._checked
         flat = [k for keys in per_block for k in keys]
+        todo = [i for i, key in enumerate(flat) if key not in checked]
+        if not todo:
+            return len(per_block)
         try:
-            heads = core.backend.peek(flat, HEADER_BYTES)
+            heads = core.backend.peek([flat[i] for i in todo], HEADER_BYTES)
         except BackendUnavailable as e:
             core.unavailable(e)
             return 0
         good = len(per_block)
-        for i, (key, head) in enumerate(zip(flat, heads, strict=True)):
-            block = i // core.tp_size
+        for i, head in zip(todo, heads, strict=True):
+            key, block = flat[i], i // core.tp_size
             if head is None:
                 good = min(good, block)
                 continue
@@ -154,6 +181,9 @@ class SchedulerSide:
             except ChunkError as e:
                 core.bad_chunk(key, e)
                 good = min(good, block)
+                continue
+            if generation is not None:
+                checked.add(key)
         return good
 
     def commit(
@@ -188,8 +218,9 @@ class SchedulerSide:
             )
         )
         self._loaded_until[request.request_id] = first + num_blocks
-        if self.lazy is not None:
-            for block_hash in request.block_hashes[first : first + num_blocks]:
+        for block_hash in request.block_hashes[first : first + num_blocks]:
+            self._remember(block_hash)
+            if self.lazy is not None:
                 self.lazy.mark_stored(bytes(block_hash))
         core.stats.inc("loaded_tokens", min(accepted, offer.num_tokens))
 
@@ -249,6 +280,10 @@ class SchedulerSide:
             )
             done = min(num_computed + scheduled, request.num_prompt_tokens) // bs
             done = min(done, prompt_blocks)
+            # Blocks vLLM's prefix cache served at the first step: saved
+            # already if this server saved or loaded them (a block another
+            # request computed while decoding was never saved: it is).
+            served = num_computed // bs if is_new else 0
             saved = self._saved_until.get(req_id, 0)
             loaded = self._loaded_until.get(req_id, 0)
             block_ids: list[int] | None = None
@@ -257,6 +292,10 @@ class SchedulerSide:
                 for i in range(max(saved, 0), min(done, len(block_ids))):
                     if i < loaded:
                         continue  # Read from the store: already there.
+                    if i < served and request.block_hashes[i] in self._known:
+                        self._known.move_to_end(request.block_hashes[i])
+                        continue
+                    self._remember(request.block_hashes[i])
                     meta.saves.append(
                         SaveSpec(
                             block_ids[i],
@@ -303,6 +342,13 @@ class SchedulerSide:
                 )
             )
         return meta
+
+    def _remember(self, block_hash: bytes) -> None:
+        """``block_hash``'s block is saved (planned) or loaded by this server."""
+        self._known[block_hash] = None
+        self._known.move_to_end(block_hash)
+        if len(self._known) > self._known_blocks:
+            self._known.popitem(last=False)
 
     def _prefetch(self, scheduler_output: SchedulerOutput, loading: set[str]) -> None:
         """Hand the requests still waiting after this step to the prefetcher

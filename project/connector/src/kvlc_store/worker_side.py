@@ -302,6 +302,9 @@ class WorkerSide:
                     fresh_of[j] if slot is None else slot
                     for j, slot in enumerate(slots)
                 ]
+                # Held before anything can raise (a read, a check, a copy):
+                # the ``finally`` unpins every slot this load pinned.
+                held.append((batch_slots, None))
                 checked, store_error = self._read_into(
                     [batch_keys[j] for j in misses],
                     source,
@@ -327,11 +330,13 @@ class WorkerSide:
                     "loaded_bytes", len(hits) * (HEADER_BYTES + tier.block_bytes)
                 )
                 rows = [j for j in range(end) if outcomes[j]]
-                event = transfer.load_from(
-                    [batch_ids[j] for j in rows],
-                    [tier.addr(batch_slots[j]) for j in rows],
+                held[-1] = (
+                    batch_slots,
+                    transfer.load_from(
+                        [batch_ids[j] for j in rows],
+                        [tier.addr(batch_slots[j]) for j in rows],
+                    ),
                 )
-                held.append((batch_slots, event))
                 if len(held) > 1:
                     self._give_back_slots(held.pop(0))
                 for j in range(end):
