@@ -19,8 +19,9 @@ blocks the buffer holds from there.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from kvlc_store.backends import BackendUnavailable, new_lease_id
@@ -83,11 +84,12 @@ class SchedulerSide:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._known_blocks = known_blocks
         # Chunk keys whose headers a lookup checked, under the store
-        # generation ``_checked_at`` (``DirectoryBackend.generation``):
-        # a chunk file is never rewritten, so its header stays good until a
-        # chunk leaves the store. The load checks every chunk again.
+        # generation and KV layout ``_checked_at``
+        # (``DirectoryBackend.generation``): a chunk file is never
+        # rewritten, so its header stays good until a chunk leaves the
+        # store. The load checks every chunk again.
         self._checked: set[str] = set()
-        self._checked_at: str | None = None
+        self._checked_at: tuple[str | None, str | None] = (None, None)
 
     def arrived(self, request: Request) -> None:
         """vLLM added ``request`` to the scheduler's queue."""
@@ -115,8 +117,8 @@ class SchedulerSide:
         end = min(len(request.block_hashes), request.num_tokens // bs)
         if min(end * bs, request.num_tokens - 1) <= num_computed_tokens:
             return None
-        per_block = [core.keys(h) for h in request.block_hashes[start:end]]
-        flat = [k for keys in per_block for k in keys]
+        per_block = core.keys_of(request.block_hashes[start:end])
+        flat = list(chain.from_iterable(per_block))
         usable = core.usable_run(flat) // core.tp_size
         per_block, flat = per_block[:usable], flat[: usable * core.tp_size]
         if not flat:
@@ -157,14 +159,17 @@ class SchedulerSide:
         """
         core = self._core
         generation: str | None = getattr(core.backend, "generation", None)
-        if generation is None or generation != self._checked_at:
+        # What the headers were checked against: the store as it was, and
+        # the workers' KV layout (``set_kv_layout`` may name it later).
+        checked_at = (generation, core.kv_layout)
+        if generation is None or checked_at != self._checked_at:
             self._checked.clear()
-            self._checked_at = generation
+            self._checked_at = checked_at
         checked = self._checked
-        flat = [k for keys in per_block for k in keys]
-        todo = [i for i, key in enumerate(flat) if key not in checked]
-        if not todo:
+        flat = list(chain.from_iterable(per_block))
+        if checked.issuperset(flat):
             return len(per_block)
+        todo = [i for i, key in enumerate(flat) if key not in checked]
         try:
             heads = core.backend.peek([flat[i] for i in todo], HEADER_BYTES)
         except BackendUnavailable as e:
@@ -218,9 +223,10 @@ class SchedulerSide:
             )
         )
         self._loaded_until[request.request_id] = first + num_blocks
-        for block_hash in request.block_hashes[first : first + num_blocks]:
-            self._remember(block_hash)
-            if self.lazy is not None:
+        loaded = request.block_hashes[first : first + num_blocks]
+        self._remember(loaded)
+        if self.lazy is not None:
+            for block_hash in loaded:
                 self.lazy.mark_stored(bytes(block_hash))
         core.stats.inc("loaded_tokens", min(accepted, offer.num_tokens))
 
@@ -295,7 +301,7 @@ class SchedulerSide:
                     if i < served and request.block_hashes[i] in self._known:
                         self._known.move_to_end(request.block_hashes[i])
                         continue
-                    self._remember(request.block_hashes[i])
+                    self._remember([request.block_hashes[i]])
                     meta.saves.append(
                         SaveSpec(
                             block_ids[i],
@@ -329,7 +335,7 @@ class SchedulerSide:
                         ProbeSpec(
                             req_id,
                             block_ids[start:end],
-                            [core.keys(h) for h in request.block_hashes[start:end]],
+                            core.keys_of(request.block_hashes[start:end]),
                         )
                     )
         if self._sending:
@@ -343,12 +349,15 @@ class SchedulerSide:
             )
         return meta
 
-    def _remember(self, block_hash: bytes) -> None:
-        """``block_hash``'s block is saved (planned) or loaded by this server."""
-        self._known[block_hash] = None
-        self._known.move_to_end(block_hash)
-        if len(self._known) > self._known_blocks:
-            self._known.popitem(last=False)
+    def _remember(self, block_hashes: Sequence[bytes]) -> None:
+        """The blocks of ``block_hashes`` are saved (planned) or loaded by
+        this server: the most recent now."""
+        known = self._known
+        known.update(dict.fromkeys(block_hashes))
+        # In C: a 32k-token hit remembers 2,048 blocks on the critical path.
+        deque(map(known.move_to_end, block_hashes), maxlen=0)
+        while len(known) > self._known_blocks:
+            known.popitem(last=False)
 
     def _prefetch(self, scheduler_output: SchedulerOutput, loading: set[str]) -> None:
         """Hand the requests still waiting after this step to the prefetcher
@@ -371,9 +380,7 @@ class SchedulerSide:
                     is not None
                 ):
                     start += 1
-            prefetcher.want(
-                req_id, [self._core.keys(h) for h in request.block_hashes[start:end]]
-            )
+            prefetcher.want(req_id, self._core.keys_of(request.block_hashes[start:end]))
 
     def on_load_errors(self, invalid_block_ids: set[int]) -> None:
         """Blocks whose load failed (a chunk that failed its checksum, now

@@ -474,6 +474,8 @@ class DirectoryBackend:
         without a look at the file system. Under the lock, unless read-only
         (whose chunks are taken to stay put)."""
         known = self._known if self._known_current() else set()
+        if known.issuperset(keys):
+            return len(keys)
         n = 0
         for key in keys:
             if key not in known:
@@ -535,9 +537,9 @@ class DirectoryBackend:
                 lines = path.read_text().splitlines()
             except FileNotFoundError:
                 return
-            ttl, held = lines[0], [k for k in lines[1:] if k]
+            ttl, held = lines[0], lines[1:]
             drop = set(keys)
-            left = [k for k in held if k not in drop]
+            left = [] if drop.issuperset(held) else [k for k in held if k not in drop]
             if left:
                 self._write_file(path, ttl + "\n" + "\n".join(left) + "\n")
             else:
