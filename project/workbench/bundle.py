@@ -106,12 +106,21 @@ def _pure(wheel: Path) -> bool:
 
 
 def connector_wheel(root: Path, into: Path) -> Path:
-    """The reference connector, built from ``root``'s tree."""
+    """The reference connector, built from a copy of ``root``'s tree (a
+    setuptools build writes ``build/`` and ``*.egg-info`` beside its
+    sources)."""
     before = set(into.glob("*.whl"))
-    _pip(
-        ["wheel", "--no-deps", "-w", str(into), str(root / "project" / "connector")],
-        "building the connector's wheel",
-    )
+    with tempfile.TemporaryDirectory(prefix="kvlc-connector-") as tmp:
+        source = Path(tmp) / "connector"
+        shutil.copytree(
+            root / "project" / "connector",
+            source,
+            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+        )
+        _pip(
+            ["wheel", "--no-deps", "-w", str(into), str(source)],
+            "building the connector's wheel",
+        )
     (wheel,) = set(into.glob("*.whl")) - before
     return wheel
 
