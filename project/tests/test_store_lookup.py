@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvlc_store.backends import DirectoryBackend, Head
+from kvlc_store.backends import DirectoryBackend, Head, directory
 from kvlc_store.chunk import HEADER_BYTES, encode_chunk
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore
@@ -248,3 +248,23 @@ def test_a_chunk_gone_from_the_store_is_looked_up_again(
     offer = scheduler.offer(req, 0)
     assert offer is not None and offer.num_tokens == 2 * BLOCK
     assert work.exists >= 3
+
+
+def test_what_a_process_knows_stored_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Past ``KNOWN_CHUNKS`` chunks a process starts over: its memory stays
+    bounded, and the next lookup looks at the files again."""
+    monkeypatch.setattr(directory, "KNOWN_CHUNKS", 4)
+    writer, _ = make(tmp_path)
+    req = request(8 * BLOCK + 1)
+    store(writer, req, list(range(8)), ranks=(0,))
+    core, scheduler = make(tmp_path, verify=False)
+    work = FileWork(core, monkeypatch)
+    for _ in range(2):
+        work.exists = 0
+        offer = scheduler.offer(req, 0)
+        assert offer is not None and offer.num_tokens == 8 * BLOCK
+        scheduler.abort(offer)
+        assert work.exists >= 8
+    assert len(core.backend._known) <= 8

@@ -25,6 +25,7 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from kvlc_store.backends import BackendUnavailable, new_lease_id
+from kvlc_store.backends.directory import KNOWN_CHUNKS
 from kvlc_store.chunk import HEADER_BYTES, ChunkError, check_header
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, Offer, ProbeSpec, SaveSpec, StoreMetadata
@@ -162,7 +163,11 @@ class SchedulerSide:
         # What the headers were checked against: the store as it was, and
         # the workers' KV layout (``set_kv_layout`` may name it later).
         checked_at = (generation, core.kv_layout)
-        if generation is None or checked_at != self._checked_at:
+        if (
+            generation is None
+            or checked_at != self._checked_at
+            or len(self._checked) > KNOWN_CHUNKS
+        ):
             self._checked.clear()
             self._checked_at = checked_at
         checked = self._checked
