@@ -34,6 +34,7 @@ environment, without the 326 MB CUDA release wheel.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -131,8 +132,9 @@ def stored(wheel: Path) -> None:
     tmp = wheel.with_suffix(".stored")
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w") as dst:
         for info in src.infolist():
-            info.compress_type = zipfile.ZIP_STORED
-            with src.open(info) as member, dst.open(info, "w") as out:
+            stored_info = copy.copy(info)
+            stored_info.compress_type = zipfile.ZIP_STORED
+            with src.open(info) as member, dst.open(stored_info, "w") as out:
                 shutil.copyfileobj(member, out, 16 * MIB)
     tmp.replace(wheel)
 
