@@ -16,6 +16,14 @@ warm-up:
 - ``hot hit, no copies``: the same with the pointer copies not executed:
   the host's own work (pointer lists, tier bookkeeping), which a GPU hit
   pays besides one ``swap_blocks_batch`` per batch;
+- ``lookup, first`` and ``lookup, again`` (``verify_on_lookup`` on and
+  off): the scheduler's lookup of the prompt (``get_num_new_matched_tokens``:
+  the lease, and with verify on the chunk headers) and the release of its
+  lease, by a scheduler that has not seen the chunks yet, and by one that
+  has (the store unchanged since: the repeated hit);
+- ``hit, host work``: all the host does for a repeated hot hit before the
+  forward, as one: the lookup (verify on), the load plan, ``start_load_kv``
+  with the copies not executed, the lease's release;
 - ``cold hit``: ``start_load_kv`` with ``host_tier: 0``: the chunks read
   from the store (page cache warm) by the read threads, checked, copied;
 - ``memcpy`` and ``read``: the floors, a torch copy of the same bytes and a
@@ -40,6 +48,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import machine
@@ -48,6 +57,7 @@ from kvlc_store.backends import DirectoryBackend
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
+from kvlc_store.scheduler_side import SchedulerSide
 from kvlc_store.worker_side import READ_THREADS, WorkerSide
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -69,13 +79,19 @@ def timed(
     return out
 
 
-def worker(root: Path, num_blocks: int, tier_bytes: int) -> WorkerSide:
+def worker(
+    root: Path, num_blocks: int, tier_bytes: int, touched: bool = True
+) -> WorkerSide:
     # pinned_buffer's default: what host_tier 0 moves its batches through.
     config = parse_config({"path": str(root), "host_tier": tier_bytes})
     core = StoreCore(config, DirectoryBackend(root, 1 << 40), "bench", 1)
     side = WorkerSide(core, BLOCK)
     kv = {
-        f"layer.{i}": torch.zeros(2, num_blocks, HEADS, BLOCK, DIM, dtype=torch.int16)
+        # Untouched (``touched`` False): pages never written take no memory,
+        # and the host work does not depend on the bytes.
+        f"layer.{i}": (torch.zeros if touched else torch.empty)(
+            2, num_blocks, HEADS, BLOCK, DIM, dtype=torch.int16
+        )
         for i in range(LAYERS)
     }
     side.register(kv, num_blocks, 0)
@@ -84,7 +100,65 @@ def worker(root: Path, num_blocks: int, tier_bytes: int) -> WorkerSide:
 
 
 def key(rep: int, block: int) -> str:
-    return f"bench/{rep:032x}{block:032x}.0"
+    return f"bench/{block_hash(rep, block).hex()}.0"
+
+
+def block_hash(rep: int, block: int) -> bytes:
+    return bytes.fromhex(f"{rep:032x}{block:032x}")
+
+
+class Prompt:
+    """What the scheduler side reads of a vLLM request: a prompt of
+    ``tokens`` tokens whose blocks are the first save's."""
+
+    def __init__(self, tokens: int) -> None:
+        self.request_id = "r"
+        self.num_tokens = self.num_prompt_tokens = tokens
+        self.block_hashes = [block_hash(0, b) for b in range(tokens // BLOCK)]
+
+
+def scheduler(root: Path, verify: bool) -> SchedulerSide:
+    """A scheduler side on its own view of the store, as in a server."""
+    config = parse_config({"path": str(root), "verify_on_lookup": verify})
+    core = StoreCore(config, DirectoryBackend(root, 1 << 40), "bench", 1)
+    return SchedulerSide(core, BLOCK, worker_hits=False, manager=lambda: None)
+
+
+def lookup(on: list[SchedulerSide], prompt: Prompt) -> Callable[[], None]:
+    """The lookup of ``prompt`` by ``on[0]``, and its lease released."""
+
+    def run() -> None:
+        offer = on[0].offer(prompt, 0)  # type: ignore[arg-type]
+        assert offer is not None and offer.num_blocks == len(prompt.block_hashes)
+        on[0].abort(offer)
+
+    return run
+
+
+# A scheduler output with nothing scheduled: build_meta hands over the loads.
+_NOTHING = SimpleNamespace(
+    scheduled_new_reqs=[],
+    scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    has_sync_kv_loads=True,
+    num_scheduled_tokens={},
+    preempted_req_ids=set(),
+)
+
+
+def hit(on: SchedulerSide, worker: WorkerSide, prompt: Prompt) -> Callable[[], None]:
+    """The lookup, the load plan and ``start_load_kv`` (which releases the
+    lease) of ``prompt``."""
+    blocks = list(range(len(prompt.block_hashes)))
+
+    def run() -> None:
+        offer = on.offer(prompt, 0)  # type: ignore[arg-type]
+        assert offer is not None
+        on.commit(prompt, blocks, offer, offer.num_tokens)  # type: ignore[arg-type]
+        meta = on.build_meta(_NOTHING)  # type: ignore[arg-type]
+        worker.start_load(meta)
+        assert worker.take_load_errors() == set()
+
+    return run
 
 
 def load(on: WorkerSide, blocks: int) -> Callable[[], None]:
@@ -100,11 +174,16 @@ def load(on: WorkerSide, blocks: int) -> Callable[[], None]:
     return run
 
 
-def saves_and_hot_hits(root: Path, blocks: int, reps: int) -> dict[str, list[float]]:
+def saves_and_hot_hits(
+    root: Path, blocks: int, reps: int, hit_only: bool = False
+) -> dict[str, list[float]]:
     total = blocks * CHUNK_BYTES
     # Room for every chunk of the hit, and a quarter more for the batches.
-    side = worker(root, blocks, total + total // 4 + 8 * CHUNK_BYTES)
-    saves = iter(range(reps + 1))
+    side = worker(
+        root, blocks, total + total // 4 + 8 * CHUNK_BYTES, touched=not hit_only
+    )
+    # The first save's chunks are the ones loaded; the timed ones write more.
+    saves = iter(range(reps + 2))
     saved: list[int] = []
 
     def save() -> None:
@@ -125,17 +204,30 @@ def saves_and_hot_hits(root: Path, blocks: int, reps: int) -> dict[str, list[flo
             for path in (root / "chunks").rglob(f"{saved[-1]:032x}*.0"):
                 path.unlink()
 
-    out = {
-        "save": timed(save, reps, drop_last_save),
-        # The untimed first load reads the chunks into the tier.
-        "hot hit": timed(load(side, blocks), reps),
-    }
+    save()
     # The worker's DeviceTransfer, its copies made no-ops: a bench reaches
     # in where no setting should exist.
     transfer = side._device
     assert transfer is not None
+    out: dict[str, list[float]] = {}
+    if not hit_only:
+        out["save"] = timed(save, reps, drop_last_save)
+        # The untimed first load reads the chunks into the tier.
+        out["hot hit"] = timed(load(side, blocks), reps)
     transfer._copy_batch = lambda *args: None
     out["hot hit, no copies"] = timed(load(side, blocks), reps)
+    prompt = Prompt(blocks * BLOCK)
+    for verify in (True, False):
+        on = [scheduler(root, verify)]
+
+        def fresh(verify: bool = verify, on: list[SchedulerSide] = on) -> None:
+            on[0] = scheduler(root, verify)
+
+        state = "on" if verify else "off"
+        out[f"lookup, first (verify {state})"] = timed(lookup(on, prompt), reps, fresh)
+        on[0] = scheduler(root, verify)
+        out[f"lookup, again (verify {state})"] = timed(lookup(on, prompt), reps)
+    out["hit, host work"] = timed(hit(scheduler(root, True), side, prompt), reps)
     side.close()
     return out
 
@@ -169,9 +261,13 @@ def floors(root: Path, blocks: int, reps: int) -> dict[str, list[float]]:
     return {"read": read, "memcpy": memcpy}
 
 
-def measure(root: Path, tokens: int, reps: int) -> dict[str, list[float]]:
+def measure(
+    root: Path, tokens: int, reps: int, hit_only: bool = False
+) -> dict[str, list[float]]:
     blocks = tokens // BLOCK
-    out = saves_and_hot_hits(root, blocks, reps)
+    out = saves_and_hot_hits(root, blocks, reps, hit_only)
+    if hit_only:
+        return out
     out["cold hit"] = cold_hits(root, blocks, reps)
     out.update(floors(root, blocks, reps))
     return out
@@ -181,13 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--hit-only",
+        action="store_true",
+        help="only the hit's host work (lookups, hot hit without copies): "
+        "needs a KV cache and a tier of the prompt's size, not four times it",
+    )
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     print(f"{machine.describe()}; torch threads {torch.get_num_threads()}")
     results: dict[str, Any] = {}
     for tokens in lengths:
         with tempfile.TemporaryDirectory(prefix="kvlc-host-path-") as tmp:
-            results[str(tokens)] = measure(Path(tmp), tokens, args.reps)
+            results[str(tokens)] = measure(Path(tmp), tokens, args.reps, args.hit_only)
     steps = list(results[str(lengths[0])])
     print("| step | " + " | ".join(f"{n} tokens, ms (GB/s)" for n in lengths) + " |")
     print("|---|" + "---:|" * len(lengths))

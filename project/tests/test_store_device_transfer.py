@@ -12,10 +12,11 @@ request's blocks until its saves are written (``get_finished``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ from kvlc_store.backends import BackendUnavailable, Data, DirectoryBackend
 from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore, make_backend
+from kvlc_store import device_transfer
 from kvlc_store.device_transfer import DeviceTransfer, HostPool, host_copy_batch
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
@@ -200,6 +202,83 @@ def test_one_batched_copy_per_batch_and_direction(
     layers = len(kv)
     assert calls == [(3 * layers * runs_per_layer, False),
                      (2 * layers * runs_per_layer, True)]  # fmt: skip
+
+
+class _Stream:
+    """A CUDA stream stand-in: the events it was told to wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited: list[_Event] = []
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited.append(event)
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.stream: _Stream | None = None
+
+    def record(self, stream: _Stream) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("layout", ["kv-split-blocks-dim1", "hnd-strided"])
+def test_loads_and_saves_queue_on_streams_of_their_own(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A load never queues behind a save's copy: saves (``save_to``,
+    ``gather``) go on one side stream, loads (``load_from``, ``scatter``) on
+    the other; a save waits for the forward that computed its blocks, a load
+    for the forwards queued before it (``mark_compute``), and each batch's
+    event is recorded on its own stream. CPU tensors, stand-in streams: the
+    copies themselves run, in the caller's order."""
+    kv = caches(layout, torch.bfloat16, 3, "cpu")
+    current: list[_Stream] = []
+    compute = _Stream("compute")
+
+    @contextlib.contextmanager
+    def on(stream: _Stream) -> Iterator[None]:
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(device_transfer, "_new_event", _Event)
+    copies: list[_Stream] = []
+
+    def copy(
+        src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, any_order: bool
+    ) -> None:
+        copies.append(current[-1])
+        host_copy_batch(src, dst, sizes, any_order)
+
+    load, save = _Stream("load"), _Stream("save")
+    block_bytes = BlockLayout(kv, NB).block_bytes
+    transfer = DeviceTransfer(
+        BlockLayout(kv, NB), 8 * block_bytes, copy, streams=(load, save)
+    )
+    before = payloads(kv, [1, 2])
+    forward = transfer.mark_compute()
+    assert forward is not None and forward.stream is compute
+    if transfer.batched_copies:
+        host = torch.empty(2 * block_bytes, dtype=torch.uint8)
+        slots = [host.data_ptr(), host.data_ptr() + block_bytes]
+        saved = transfer.save_to([1, 2], slots, forward)
+        loaded = transfer.load_from([5, 6], slots)
+        assert copies == [save, load]
+    else:
+        region = transfer.pool.take(2)
+        saved = transfer.gather([1, 2], region, forward)
+        loaded = transfer.scatter([5, 6], [0, 1], region)
+    assert saved is not None and saved.stream is save
+    assert loaded is not None and loaded.stream is load
+    assert save.waited == [forward] and load.waited == [forward]
+    assert payloads(kv, [5, 6]) == before
 
 
 def test_pool_hands_out_runs_up_to_half_and_merges_them_back():
@@ -496,6 +575,47 @@ def test_scheduler_keeps_the_blocks_of_requests_saved_off_the_forward(
         assert meta.preempted == ({"s"} if async_saves else set())
         assert scheduler.finished(saving) is async_saves  # type: ignore[arg-type]
         assert scheduler.finished(idle) is False  # type: ignore[arg-type]
+
+
+def _step(req_id: str, num_computed: int, scheduled: int) -> SimpleNamespace:
+    """A scheduler output with one new request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=req_id, num_computed_tokens=num_computed)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        has_sync_kv_loads=False,
+        num_scheduled_tokens={req_id: scheduled},
+        preempted_req_ids=set(),
+    )
+
+
+def test_blocks_the_prefix_cache_serves_again_are_not_saved_again(
+    tmp_path: Path,
+):
+    """A prompt of 3 blocks and a token, then the same prompt served by
+    vLLM's prefix cache (3 blocks computed, 1 token scheduled): its blocks
+    were saved for the first request, so the second saves nothing. A prompt
+    whose cached prefix this server never saved (a block computed while
+    another request decoded) saves it."""
+    store = tmp_path / "store"
+    core = StoreCore(
+        parse_config({"path": str(store)}), DirectoryBackend(store, 10**9), IDENT, 1
+    )
+    scheduler = SchedulerSide(core, BS, worker_hits=False, manager=lambda: None)
+    scheduler.block_ids = lambda req_id: [10, 11, 12]  # type: ignore[method-assign]
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    for req_id in ("first", "again"):
+        scheduler.arrived(_Request(req_id, hashes))  # type: ignore[arg-type]
+    meta = scheduler.build_meta(_step("first", 0, 3 * BS + 1))  # type: ignore[arg-type]
+    assert [s.block_id for s in meta.saves] == [10, 11, 12]
+    meta = scheduler.build_meta(_step("again", 3 * BS, 1))  # type: ignore[arg-type]
+    assert meta.saves == []
+
+    decoded = _Request("decoded", [*hashes[:2], bytes([7]) * 32])
+    scheduler.arrived(decoded)  # type: ignore[arg-type]
+    meta = scheduler.build_meta(_step("decoded", 3 * BS, 1))  # type: ignore[arg-type]
+    assert [s.block_id for s in meta.saves] == [12]
 
 
 def test_vllm_keeps_a_finished_requests_blocks_until_its_saves_are_written(

@@ -7,7 +7,8 @@ that pointer copies move; its eviction order, pins and waits; and on a
 worker over a real directory store, that a saved chunk loads again without
 reading the store, that an evicted one is read from the store and kept
 again, that a damaged store copy is never what a cached chunk loads, that a
-store failure keeps the tier's copy, and that ``host_tier: 0`` keeps nothing.
+chunk the store did not take is not kept, that a load that raises leaves no
+slot pinned, and that ``host_tier: 0`` keeps nothing.
 """
 
 from __future__ import annotations
@@ -245,18 +246,43 @@ def test_damaged_store_copy_of_a_cached_chunk_is_never_loaded(tmp_path: Path):
     reader.close()
 
 
-def test_store_failure_on_save_keeps_the_tier_copy(tmp_path: Path):
-    """Every chunk of the step stays in the tier, those after the failure
-    (whose writes are skipped) too."""
-    core, worker, kv, backend = make(tmp_path, tier_blocks=16)
-    before = payloads(kv, [0, 1, 2])
+def test_chunk_whose_store_write_failed_is_not_kept(tmp_path: Path):
+    """A chunk the store did not take is never offered: the tier does not
+    keep it, and a chunk it held before stays (nothing pushed it out)."""
+    core, worker, kv, backend = make(tmp_path, tier_blocks=8)
+    saved(worker, [1], "before")
     backend.fail = True
-    saved(worker, [0, 1, 2], "r")
+    saved(worker, [2, 3], "r")
     assert core.stats.data["store_errors"] >= 1
     assert backend.get(key(2)) is None
-    backend.fail = False
-    assert load(worker, [5, 4, 3], [0, 1, 2]) == set()
-    assert payloads(kv, [5, 4, 3]) == before
+    tier = worker._tier
+    assert tier is not None
+    assert tier.pin_cached([key(2), key(3)]) == [None, None]
+    assert len(tier) == 1
+    assert tier.reserve(tier.max_batch, wait=False) != []
+    worker.close()
+
+
+def test_a_load_that_raises_unpins_its_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An error other than the store's (here a read that raises, as a bug or
+    an I/O error outside the backend would) ends the load, and every slot it
+    pinned, cached or fresh, is free for the next load and save."""
+    core, worker, kv, _ = make(tmp_path, tier_blocks=8)
+    saved(worker, [0, 1], "r")
+    tier = worker._tier
+    assert tier is not None
+
+    def broken(*args: Any, **kwargs: Any) -> Iterator[Head | None]:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(core.backend, "read_into", broken)
+    spec = LoadSpec("q", None, [4, 5, 6], [[key(b)] for b in (0, 2, 1)])
+    with pytest.raises(RuntimeError, match="injected"):
+        worker._load(spec, None)
+    assert not +tier._pins
+    assert len(tier.reserve(tier.max_batch, wait=False)) == tier.max_batch
     worker.close()
 
 

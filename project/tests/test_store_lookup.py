@@ -12,10 +12,13 @@ chunks.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
-from kvlc_store.backends import DirectoryBackend
+from kvlc_store.backends import DirectoryBackend, Head, directory
 from kvlc_store.chunk import HEADER_BYTES, encode_chunk
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore
@@ -152,3 +155,116 @@ def test_every_tp_rank_must_hold_the_block(tmp_path: Path):
     store(core, req, [0, 2, 3], ranks=(1,))
     offer = scheduler.offer(req, 0)
     assert offer is not None and offer.num_tokens == BLOCK
+
+
+class FileWork:
+    """Counts the chunk files a lookup looks at: existence checks (the
+    lease) and header reads (``verify_on_lookup``)."""
+
+    def __init__(self, core: StoreCore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.exists = 0
+        self.peeked: list[str] = []
+        exists = os.path.exists
+
+        def counting_exists(path: Any) -> bool:
+            if "/chunks/" in str(path):
+                self.exists += 1
+            return exists(path)
+
+        monkeypatch.setattr(os.path, "exists", counting_exists)
+        peek = core.backend.peek
+
+        def counting_peek(keys: Sequence[str], n: int) -> list[Head | None]:
+            self.peeked += list(keys)
+            return peek(keys, n)
+
+        monkeypatch.setattr(core.backend, "peek", counting_peek)
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_a_repeated_hit_does_no_file_work_per_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+):
+    """The first lookup of a prompt checks that its chunks exist and reads
+    their headers; while no chunk leaves the store, the next lookups of it
+    (the lease released in between, as a load does) look at no chunk file,
+    and still lease every chunk: an eviction then skips them."""
+    writer, _ = make(tmp_path, verify=verify)
+    req = request(8 * BLOCK + 1)
+    store(writer, req, list(range(8)), ranks=(0,))
+    # Another server's scheduler, on its own view of the store.
+    core, scheduler = make(tmp_path, verify=verify)
+    work = FileWork(core, monkeypatch)
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 8 * BLOCK
+    assert len(work.peeked) == (8 if verify else 0)
+    scheduler.abort(offer)
+    first_exists = work.exists
+    for _ in range(2):
+        work.exists, work.peeked = 0, []
+        offer = scheduler.offer(req, 0)
+        assert offer is not None and offer.num_tokens == 8 * BLOCK
+        assert (work.exists, work.peeked) == (0, [])
+        scheduler.abort(offer)
+    assert first_exists >= 8
+
+    offer = scheduler.offer(req, 0)
+    assert offer is not None
+    lease = tmp_path / "store" / "leases" / offer.lease_id
+    assert lease.read_text().split()[1:] == [k for ks in offer.keys for k in ks]
+
+
+@pytest.mark.parametrize("how", ["evicted", "deleted"])
+def test_a_chunk_gone_from_the_store_is_looked_up_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+):
+    """Another server on the store (its own backend) evicts or deletes a
+    chunk this scheduler saw stored and checked: the next lookup sees the
+    store changed, looks at the files again and ends the hit before it."""
+    core, scheduler = make(tmp_path)
+    req = request(4 * BLOCK + 1)
+    store(core, req, [0, 1, 2, 3], ranks=(0,))
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 4 * BLOCK
+    scheduler.abort(offer)
+
+    chunk_bytes = core.backend.num_bytes() // 4
+    other = DirectoryBackend(tmp_path / "store", 10**8)
+    gone = core.keys(req.block_hashes[2])[0]
+    if how == "deleted":
+        other.delete(gone)
+    else:
+        # Eviction is least recently used first: make blocks 2 and 3 the
+        # oldest, then fill the store past its capacity (two go).
+        for block, mtime in ((2, 1), (3, 2)):
+            name = core.keys(req.block_hashes[block])[0].split("/")[1]
+            path = next((tmp_path / "store" / "chunks").rglob(name))
+            os.utime(path, (mtime, mtime))
+        other.capacity_bytes = 4 * chunk_bytes
+        other.put(f"{IDENT}/{'f' * 64}.0", bytes(chunk_bytes))
+    assert other.peek([gone], 1) == [None]
+
+    work = FileWork(core, monkeypatch)
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 2 * BLOCK
+    assert work.exists >= 3
+
+
+def test_what_a_process_knows_stored_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Past ``KNOWN_CHUNKS`` chunks a process starts over: its memory stays
+    bounded, and the next lookup looks at the files again."""
+    monkeypatch.setattr(directory, "KNOWN_CHUNKS", 4)
+    writer, _ = make(tmp_path)
+    req = request(8 * BLOCK + 1)
+    store(writer, req, list(range(8)), ranks=(0,))
+    core, scheduler = make(tmp_path, verify=False)
+    work = FileWork(core, monkeypatch)
+    for _ in range(2):
+        work.exists = 0
+        offer = scheduler.offer(req, 0)
+        assert offer is not None and offer.num_tokens == 8 * BLOCK
+        scheduler.abort(offer)
+        assert work.exists >= 8
+    assert len(core.backend._known) <= 8

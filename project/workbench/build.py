@@ -75,6 +75,12 @@ class ReleaseBuild:
     # Files this release wheel ships in its own version (not the sdist's), so
     # an entry's change to them cannot be applied.
     divergent_files: frozenset[str] = frozenset()
+    # Files and folders of the release wheel left out (kernels a trimmed
+    # build does not use); each must exist, so a release that moved one is
+    # an error, not a silently larger wheel.
+    dropped_files: tuple[str, ...] = ()
+    # Requirements whose line the repack replaces: (name, new requirement).
+    rewritten_requirements: tuple[tuple[str, str], ...] = ()
 
     @property
     def tag(self) -> str:
@@ -95,6 +101,31 @@ CPU = ReleaseBuild(
     upstream.CPU_WHEEL_DIVERGENT_FILES,
 )
 CUDA = ReleaseBuild("cuda", upstream.CUDA_WHEEL, CUDA_VERSION)
+# The CUDA build an offline host gets (``./wb bundle``), for dense models on
+# Hopper: FlashAttention 3 and the stable-ABI ops; no FlashAttention 2 (pre-
+# Hopper), MoE, MLA, DeepGEMM or Blackwell kernels, nor the Rust frontend.
+# Its kernels use the stable libtorch ABI, which loaded and served on torch
+# 2.11 (H100, 2026-11-25): its torch requirement says so, instead of the
+# release's torch==2.13.0 that an offline host with an older torch cannot
+# meet.
+HOPPER = ReleaseBuild(
+    "cuda",
+    upstream.CUDA_WHEEL,
+    f"{upstream.RELEASE}+{LOCAL_LABEL}.hopper",
+    dropped_files=(
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "vllm/_moe_C_stable_libtorch.abi3.so",
+        "vllm/_deepselect_C.abi3.so",
+        "vllm/_flashkda_C.abi3.so",
+        "vllm/_flashmla_C.abi3.so",
+        "vllm/_flashmla_extension_C.abi3.so",
+        "vllm/_qutlass_C.abi3.so",
+        "vllm/vllm-rs",
+        "vllm/third_party/deep_gemm",
+        "vllm/third_party/fmha_sm100",
+    ),
+    rewritten_requirements=(("torch", "torch>=2.11"),),
+)
 BUILDS = {b.device: b for b in (CPU, CUDA)}
 
 
@@ -154,10 +185,29 @@ def _rewrite_metadata(dist_info: Path, target: ReleaseBuild) -> None:
             line = f"Version: {target.version}\n"
         elif dropped and re.match(rf"Requires-Dist: ({dropped})\b", line):
             continue
+        else:
+            for name, requirement in target.rewritten_requirements:
+                if re.match(rf"Requires-Dist: {re.escape(name)}\s*[=<>!~;]", line):
+                    line = f"Requires-Dist: {requirement}\n"
         lines.append(line)
     metadata.write_text("".join(lines))
     wheel = dist_info / "WHEEL"
     wheel.write_text(re.sub(r"(?m)^Tag: .*$", f"Tag: {target.tag}", wheel.read_text()))
+
+
+def _drop_files(package: Path, target: ReleaseBuild, wheel: str) -> None:
+    for name in target.dropped_files:
+        path = package / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            raise WorkbenchError(
+                f"{name} is not in {wheel}: the release changed; update "
+                f"dropped_files of the {target.version} build in "
+                "project/workbench/build.py"
+            )
 
 
 def _set_version(package: Path, version: str) -> None:
@@ -182,6 +232,7 @@ def repack(stack: Stack, target: ReleaseBuild, out_dir: Path) -> Path:
         _wheel(["unpack", str(release), "-d", str(work)])
         (package,) = work.iterdir()
         apply_stack_to_package(stack, package, f"the {release.name} release wheel")
+        _drop_files(package, target, release.name)
         _set_version(package, target.version)
         (old_info,) = package.glob("*.dist-info")
         new_info = package / f"vllm-{target.version}.dist-info"

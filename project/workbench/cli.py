@@ -11,6 +11,7 @@ from pathlib import Path
 
 from workbench import (
     build,
+    bundle,
     check,
     demo,
     devenv,
@@ -85,6 +86,24 @@ def cmd_prefix_check(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     wheel = build.build(_stack(args), args.out or args.root / "dist", args.device)
     print(f"built {wheel}")
+    return 0
+
+
+def cmd_bundle(args: argparse.Namespace) -> int:
+    out = args.out or args.root / "build" / "bundle"
+    files = bundle.make_bundle(
+        _stack(args),
+        args.root,
+        out,
+        piece_mib=args.piece_mib,
+        python_version=args.python_version,
+        pure=args.pure,
+    )
+    print(bundle.describe(files))
+    print(
+        f"bundle in {out}: copy its files to the host (each piece may travel "
+        "alone), then run: bash install.sh DEST"
+    )
     return 0
 
 
@@ -247,6 +266,31 @@ def parser() -> argparse.ArgumentParser:
         "--device",
         choices=["cpu", "cuda"],
         help="default: VLLM_TARGET_DEVICE or what the machine has",
+    )
+    sp = add(
+        "bundle",
+        cmd_bundle,
+        "build what a CUDA host without a package index needs (the patched "
+        "CUDA wheel for dense models on Hopper, missing dependencies, the "
+        "connector), in pieces, with an install script (docs/gpu.md)",
+    )
+    sp.add_argument("--out", type=Path, help="default: ROOT/build/bundle")
+    sp.add_argument(
+        "--piece-mib",
+        type=int,
+        default=bundle.PIECE_MIB,
+        help=f"largest piece, at most {bundle.MAX_PIECE_MIB} (default: %(default)s)",
+    )
+    sp.add_argument(
+        "--python-version",
+        default=bundle.PYTHON_VERSION,
+        help="the host's Python, for compiled wheels (default: %(default)s)",
+    )
+    sp.add_argument(
+        "--pure",
+        action="store_true",
+        help="the pure-Python part alone (the connector and its pure "
+        "dependencies): no CUDA wheel",
     )
     sp = add(
         "rebase-report",

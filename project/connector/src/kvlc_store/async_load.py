@@ -12,7 +12,7 @@ for the loads before its own.
 
 A load reads into the request's own blocks, which vLLM neither schedules
 nor frees until the load is reported: a request aborted while it loads keeps
-its blocks until then, so the thread stops at the next block and reports it
+its blocks until then, so the thread stops at the next batch and reports it
 (its errors are dropped: nothing uses the blocks). The blocks that failed
 their checks are reported through ``get_block_ids_with_load_errors`` in the
 step whose ``get_finished`` reports the request, as vLLM's contract asks.
@@ -59,7 +59,7 @@ class AsyncLoads:
         self._queue.put((spec, buffer_dir))
 
     def cancel(self, req_ids: set[str]) -> None:
-        """Requests that finished: their loads stop at the next block."""
+        """Requests that finished: their loads stop at the next batch."""
         with self._lock:
             self._cancelled |= req_ids & self._running
 

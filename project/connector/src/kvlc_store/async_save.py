@@ -8,7 +8,10 @@ is on the host, so the next batch's copy overlaps the writes of the one
 before. The blocks go into slots of the host tier (``host_tier.py``), which
 keeps each chunk for later loads whatever the store does with its write; a
 layout that pointer copies cannot move goes through the host pool instead
-(``DeviceTransfer.gather``), batches of at most a quarter of it.
+(``DeviceTransfer.gather``), batches of at most a quarter of it. A chunk
+stays in the tier only once the store holds it: during a store outage the
+tier keeps the chunks the scheduler can still offer, instead of filling up
+with ones it never will.
 
 The blocks must keep their KV until gathered. Prompt blocks are not written
 again while their request runs; when it finishes, vLLM keeps its blocks
@@ -178,8 +181,9 @@ class AsyncSaves:
                 pool.give(region)
 
     def _save_through_tier(self, job: _Job, tier: HostTier) -> Iterator[bool]:
-        """``_save`` into the host tier's slots: each chunk is kept there once
-        copied, then written to the store from its slot."""
+        """``_save`` into the host tier's slots: each chunk is written to
+        the store from its slot and kept there once the store holds it; a
+        chunk whose write failed or was skipped leaves its slot free."""
         transfer = self._transfer
         in_flight: collections.deque[
             tuple[list[int], list[str], torch.cuda.Event | None]
@@ -206,8 +210,9 @@ class AsyncSaves:
                 try:
                     transfer.wait(event)
                     for slot, key in zip(slots, keys, strict=True):
-                        tier.publish(key, slot)
                         store_up = store_up and self._write(key, [tier.view(slot)])
+                        if store_up:
+                            tier.publish(key, slot)
                         yield store_up
                 finally:
                     tier.unpin(slots)

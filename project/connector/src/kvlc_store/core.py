@@ -207,6 +207,15 @@ class StoreCore:
         h = bytes(block_hash).hex()
         return [f"{self.key_prefix}/{h}.{r}" for r in range(self.tp_size)]
 
+    def keys_of(self, block_hashes: Sequence[bytes]) -> list[list[str]]:
+        """``keys`` of each of ``block_hashes``, in one pass: a lookup of a
+        32k-token prompt builds 2,048 of them."""
+        prefix = self.key_prefix
+        if self.tp_size == 1:
+            return [[f"{prefix}/{h.hex()}.0"] for h in block_hashes]
+        ranks = range(self.tp_size)
+        return [[f"{prefix}/{h.hex()}.{r}" for r in ranks] for h in block_hashes]
+
     def warn_once(self, what: str, message: str, *args: object) -> None:
         if what not in self._warned:
             self._warned.add(what)

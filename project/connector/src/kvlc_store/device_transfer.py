@@ -37,6 +37,7 @@ with ``memmove``, in the caller's order, with no stream and no events.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import threading
@@ -76,6 +77,15 @@ def cuda_copy_batch(
     from vllm import _custom_ops as ops
 
     ops.swap_blocks_batch(src, dst, sizes, is_src_access_order_any=any_order)
+
+
+def _int64(values: Sequence[int]) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor: through ``array``, in C, where
+    ``torch.tensor`` of a list converts element by element (a 32k-token hit
+    builds 4,096 pointers' worth of these per batch)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,8 @@ class _RunTable:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(KV cache, host, size) of every run of blocks ``block_ids``,
         whose payloads start at host addresses ``payloads``."""
-        ids = torch.tensor(block_ids, dtype=torch.int64)[:, None]
-        starts = torch.tensor(payloads, dtype=torch.int64)[:, None]
+        ids = _int64(block_ids)[:, None]
+        starts = _int64(payloads)[:, None]
         device = self.device + ids * self.step
         host = starts + self.offset
         size = self.size.expand(len(block_ids), -1)
@@ -220,9 +230,17 @@ class DeviceTransfer:
     with too many runs per block for those, staged through a ``HostPool``
     (``gather``, ``scatter``).
 
-    On CUDA the copies run on a side stream, each batch ending with an event
-    (``wait`` blocks on it); elsewhere they run in the caller's order, the
-    host copies blocking, and the events are None.
+    On CUDA the copies run on two side streams, each batch ending with an
+    event (``wait`` blocks on it): loads (``load_from``, ``scatter``) on
+    one, saves (``save_to``, ``gather``) on the other, so a hit never queues
+    behind a save's multi-GB copy (the copy engines of each direction run
+    side by side). Nothing orders the two: a load writes blocks vLLM has
+    just allocated to its request, which no save in flight reads (a saved
+    request's blocks stay held until its saves are copied:
+    ``async_save.py``), and host memory a save writes (tier slots, pool
+    regions) is pinned or held until its event passed. Elsewhere the copies
+    run in the caller's order, the host copies blocking, and the events are
+    None.
 
     Args:
         layout: the worker's KV cache.
@@ -230,6 +248,9 @@ class DeviceTransfer:
             now, pinned on CUDA.
         copy_batch: runs a batch of pointer copies; vLLM's
             ``swap_blocks_batch`` on CUDA, ``memmove`` on the CPU.
+        streams: the (load, save) streams; default: two new side streams
+            on CUDA, none elsewhere (tests pass stand-ins to check the
+            ordering on CPU tensors).
     """
 
     def __init__(
@@ -237,6 +258,7 @@ class DeviceTransfer:
         layout: BlockLayout,
         pool_bytes: int,
         copy_batch: CopyBatch | None = None,
+        streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None,
     ) -> None:
         self.device = layout.device
         self._blocks = layout.block_major()
@@ -244,7 +266,12 @@ class DeviceTransfer:
         self.block_bytes = sum(self._row_bytes)
         cuda = self.device.type == "cuda"
         self.pool = HostPool(pool_bytes, self.block_bytes, pin=cuda)
-        self._stream = _new_stream(self.device) if cuda else None
+        if streams is None and cuda:
+            streams = (_new_stream(self.device), _new_stream(self.device))
+        self._load_stream: torch.cuda.Stream | None = None
+        self._save_stream: torch.cuda.Stream | None = None
+        if streams is not None:
+            self._load_stream, self._save_stream = streams
         # Asynchronous host copies only where an event tells when they end.
         self._async_copies = cuda
         self._compute_done: torch.cuda.Event | None = None
@@ -264,7 +291,7 @@ class DeviceTransfer:
     def mark_compute(self) -> torch.cuda.Event | None:
         """Record where the caller's stream (the forward's) is now: the
         copies queued after this wait for the work queued before it."""
-        if self._stream is None:
+        if self._load_stream is None:
             return None
         event = _new_event()
         event.record(torch.cuda.current_stream(self.device))
@@ -272,20 +299,24 @@ class DeviceTransfer:
         return event
 
     @contextlib.contextmanager
-    def _side(self, after: torch.cuda.Event | None) -> Iterator[None]:
-        if self._stream is None:
-            yield
+    def _side(
+        self, stream: torch.cuda.Stream | None, after: torch.cuda.Event | None
+    ) -> Iterator[torch.cuda.Stream | None]:
+        """Queue the body's copies on ``stream``, after ``after``."""
+        if stream is None:
+            yield None
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(stream):
             if after is not None:
-                self._stream.wait_event(after)
-            yield
+                stream.wait_event(after)
+            yield stream
 
-    def _done(self) -> torch.cuda.Event | None:
-        if self._stream is None:
+    @staticmethod
+    def _done(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
             return None
         event = _new_event()
-        event.record(self._stream)
+        event.record(stream)
         return event
 
     @staticmethod
@@ -338,7 +369,7 @@ class DeviceTransfer:
         into ``region`` through a device staging buffer, after ``after``
         (the forward that computed them)."""
         assert len(block_ids) == region.count
-        with self._side(after):
+        with self._side(self._save_stream, after) as stream:
             # Allocated on the side stream: reused only after its copies.
             staging = self._staging(region)
             idx = self._index(block_ids)
@@ -348,7 +379,7 @@ class DeviceTransfer:
                 torch.index_select(blocks, 0, idx, out=out)
             if staging is not region.host:
                 region.host.copy_(staging, non_blocking=self._async_copies)
-            return self._done()
+            return self._done(stream)
 
     def save_to(
         self,
@@ -360,10 +391,10 @@ class DeviceTransfer:
         block's payload at its address in ``payloads`` (``HostTier`` slots),
         after ``after``. Pointer copies only (``batched_copies``)."""
         assert self._runs is not None
-        with self._side(after):
+        with self._side(self._save_stream, after) as stream:
             kv, host, size = self._runs.pointers_at(block_ids, payloads)
             self._copy_batch(kv, host, size, False)
-            return self._done()
+            return self._done(stream)
 
     def load_from(
         self, block_ids: Sequence[int], payloads: Sequence[int]
@@ -374,12 +405,12 @@ class DeviceTransfer:
         assert self._runs is not None
         if not block_ids:
             return None
-        with self._side(self._compute_done):
+        with self._side(self._load_stream, self._compute_done) as stream:
             kv, host, size = self._runs.pointers_at(block_ids, payloads)
             # Nothing on the device writes host memory, so the source may be
             # read in any order.
             self._copy_batch(host, kv, size, True)
-            return self._done()
+            return self._done(stream)
 
     def scatter(
         self, block_ids: Sequence[int], rows: Sequence[int], region: Region
@@ -390,7 +421,7 @@ class DeviceTransfer:
         staging buffer."""
         if not block_ids:
             return None
-        with self._side(self._compute_done):
+        with self._side(self._load_stream, self._compute_done) as stream:
             staging = self._staging(region)
             if staging is not region.host:
                 staging.copy_(region.host, non_blocking=self._async_copies)
@@ -402,4 +433,4 @@ class DeviceTransfer:
                 self._blocks, self._layer_views(staging, region.count), strict=True
             ):
                 blocks.index_copy_(0, idx, src if pick is None else src[pick])
-            return self._done()
+            return self._done(stream)

@@ -3,7 +3,11 @@
 A lookup leases the longest run of stored chunks after the locally computed
 prefix and checks their headers (``verify_on_lookup``; payloads are checked
 once, when a worker loads them); the accepted part becomes a load plan in
-the step's metadata, the rest of the lease is released at once. The prompt's
+the step's metadata, the rest of the lease is released at once. A lease is
+one record per request, and what this server already saw stored and whose
+headers it checked is kept in memory until a chunk leaves the store (the
+directory store's ``generation``): a repeated hit costs no file work per
+chunk before its load, which checks every chunk again. The prompt's
 last full block is offered too, for one token less than it holds: vLLM
 computes the prompt's last token in any case, so a hit covers up to
 ``prompt length - 1`` tokens and the load fills that block whole.
@@ -15,10 +19,13 @@ blocks the buffer holds from there.
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from kvlc_store.backends import BackendUnavailable, new_lease_id
+from kvlc_store.backends.directory import KNOWN_CHUNKS
 from kvlc_store.chunk import HEADER_BYTES, ChunkError, check_header
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, Offer, ProbeSpec, SaveSpec, StoreMetadata
@@ -40,6 +47,8 @@ class SchedulerSide:
         worker_hits: whether the workers look up too (the stack's
             ``before_update_states``).
         manager: returns the scheduler's KV cache manager, once bound.
+        known_blocks: how many block hashes to remember as saved or loaded
+            by this server (``_known``).
     """
 
     def __init__(
@@ -48,6 +57,7 @@ class SchedulerSide:
         block_size: int,
         worker_hits: bool,
         manager: Any,
+        known_blocks: int = 1 << 16,
     ) -> None:
         self._core = core
         self._block_size = block_size
@@ -69,6 +79,18 @@ class SchedulerSide:
         # a finished request's blocks stay until its saves are written.
         self.async_saves = False
         self._sending: set[str] = set()  # requests with such saves planned
+        # Block hashes whose save this server planned, or which it loaded,
+        # most recent last: a block vLLM's prefix cache serves again is not
+        # saved again (a copy and a digest for a chunk the store holds).
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known_blocks = known_blocks
+        # Chunk keys whose headers a lookup checked, under the store
+        # generation and KV layout ``_checked_at``
+        # (``DirectoryBackend.generation``): a chunk file is never
+        # rewritten, so its header stays good until a chunk leaves the
+        # store. The load checks every chunk again.
+        self._checked: set[str] = set()
+        self._checked_at: tuple[str | None, str | None] = (None, None)
 
     def arrived(self, request: Request) -> None:
         """vLLM added ``request`` to the scheduler's queue."""
@@ -96,8 +118,8 @@ class SchedulerSide:
         end = min(len(request.block_hashes), request.num_tokens // bs)
         if min(end * bs, request.num_tokens - 1) <= num_computed_tokens:
             return None
-        per_block = [core.keys(h) for h in request.block_hashes[start:end]]
-        flat = [k for keys in per_block for k in keys]
+        per_block = core.keys_of(request.block_hashes[start:end])
+        flat = list(chain.from_iterable(per_block))
         usable = core.usable_run(flat) // core.tp_size
         per_block, flat = per_block[:usable], flat[: usable * core.tp_size]
         if not flat:
@@ -137,15 +159,30 @@ class SchedulerSide:
         one on are computed) writes it again.
         """
         core = self._core
-        flat = [k for keys in per_block for k in keys]
+        generation: str | None = getattr(core.backend, "generation", None)
+        # What the headers were checked against: the store as it was, and
+        # the workers' KV layout (``set_kv_layout`` may name it later).
+        checked_at = (generation, core.kv_layout)
+        if (
+            generation is None
+            or checked_at != self._checked_at
+            or len(self._checked) > KNOWN_CHUNKS
+        ):
+            self._checked.clear()
+            self._checked_at = checked_at
+        checked = self._checked
+        flat = list(chain.from_iterable(per_block))
+        if checked.issuperset(flat):
+            return len(per_block)
+        todo = [i for i, key in enumerate(flat) if key not in checked]
         try:
-            heads = core.backend.peek(flat, HEADER_BYTES)
+            heads = core.backend.peek([flat[i] for i in todo], HEADER_BYTES)
         except BackendUnavailable as e:
             core.unavailable(e)
             return 0
         good = len(per_block)
-        for i, (key, head) in enumerate(zip(flat, heads, strict=True)):
-            block = i // core.tp_size
+        for i, head in zip(todo, heads, strict=True):
+            key, block = flat[i], i // core.tp_size
             if head is None:
                 good = min(good, block)
                 continue
@@ -154,6 +191,9 @@ class SchedulerSide:
             except ChunkError as e:
                 core.bad_chunk(key, e)
                 good = min(good, block)
+                continue
+            if generation is not None:
+                checked.add(key)
         return good
 
     def commit(
@@ -188,8 +228,10 @@ class SchedulerSide:
             )
         )
         self._loaded_until[request.request_id] = first + num_blocks
+        loaded = request.block_hashes[first : first + num_blocks]
+        self._remember(loaded)
         if self.lazy is not None:
-            for block_hash in request.block_hashes[first : first + num_blocks]:
+            for block_hash in loaded:
                 self.lazy.mark_stored(bytes(block_hash))
         core.stats.inc("loaded_tokens", min(accepted, offer.num_tokens))
 
@@ -249,6 +291,10 @@ class SchedulerSide:
             )
             done = min(num_computed + scheduled, request.num_prompt_tokens) // bs
             done = min(done, prompt_blocks)
+            # Blocks vLLM's prefix cache served at the first step: saved
+            # already if this server saved or loaded them (a block another
+            # request computed while decoding was never saved: it is).
+            served = num_computed // bs if is_new else 0
             saved = self._saved_until.get(req_id, 0)
             loaded = self._loaded_until.get(req_id, 0)
             block_ids: list[int] | None = None
@@ -257,6 +303,10 @@ class SchedulerSide:
                 for i in range(max(saved, 0), min(done, len(block_ids))):
                     if i < loaded:
                         continue  # Read from the store: already there.
+                    if i < served and request.block_hashes[i] in self._known:
+                        self._known.move_to_end(request.block_hashes[i])
+                        continue
+                    self._remember([request.block_hashes[i]])
                     meta.saves.append(
                         SaveSpec(
                             block_ids[i],
@@ -290,7 +340,7 @@ class SchedulerSide:
                         ProbeSpec(
                             req_id,
                             block_ids[start:end],
-                            [core.keys(h) for h in request.block_hashes[start:end]],
+                            core.keys_of(request.block_hashes[start:end]),
                         )
                     )
         if self._sending:
@@ -303,6 +353,16 @@ class SchedulerSide:
                 )
             )
         return meta
+
+    def _remember(self, block_hashes: Sequence[bytes]) -> None:
+        """The blocks of ``block_hashes`` are saved (planned) or loaded by
+        this server: the most recent now."""
+        known = self._known
+        known.update(dict.fromkeys(block_hashes))
+        # In C: a 32k-token hit remembers 2,048 blocks on the critical path.
+        deque(map(known.move_to_end, block_hashes), maxlen=0)
+        while len(known) > self._known_blocks:
+            known.popitem(last=False)
 
     def _prefetch(self, scheduler_output: SchedulerOutput, loading: set[str]) -> None:
         """Hand the requests still waiting after this step to the prefetcher
@@ -325,9 +385,7 @@ class SchedulerSide:
                     is not None
                 ):
                     start += 1
-            prefetcher.want(
-                req_id, [self._core.keys(h) for h in request.block_hashes[start:end]]
-            )
+            prefetcher.want(req_id, self._core.keys_of(request.block_hashes[start:end]))
 
     def on_load_errors(self, invalid_block_ids: set[int]) -> None:
         """Blocks whose load failed (a chunk that failed its checksum, now

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -56,6 +57,9 @@ READ_THREADS = 8
 
 # One chunk's read and checks: its head and the error it failed with.
 _Checked = tuple[Head | None, ChunkError | None]
+# What ``_read`` yields per batch: block ids, keys, and each block's outcome
+# (True loaded, False damaged, None not stored).
+_Batch = tuple[Sequence[int], Sequence[str], Sequence[bool | None]]
 
 
 @dataclass
@@ -161,13 +165,14 @@ class WorkerSide:
         keys: Sequence[str],
         buffer: BufferReader | None = None,
         probe: bool = False,
-    ) -> Iterator[tuple[int, str, bool | None]]:
+    ) -> Iterator[_Batch]:
         """Read ``keys`` into ``block_ids`` in order and check each; yield
-        (block id, key, True if loaded / False if damaged / None if not
-        stored). Stops early if the store fails. From ``buffer`` instead of
-        the store if given: a damaged chunk there is None (the store's copy
-        may be fine), and nothing is deleted. ``probe``: a worker-side
-        lookup, where a damaged chunk is a miss, not a load error."""
+        them in batches (``_Batch``: a hit of 2,048 blocks is a few batches,
+        not 2,048 steps of three generators). Stops early if the store
+        fails. From ``buffer`` instead of the store if given: a damaged
+        chunk there is None (the store's copy may be fine), and nothing is
+        deleted. ``probe``: a worker-side lookup, where a damaged chunk is a
+        miss, not a load error."""
         core, layout = self._core, self.layout
         source: Backend | BufferReader = core.backend if buffer is None else buffer
         if self._tier is not None:
@@ -180,26 +185,36 @@ class WorkerSide:
         reads = source.read_into(keys, HEADER_BYTES, targets)
         try:
             for i, head in enumerate(_guarded(reads, core)):
-                block_id, key = block_ids[i], keys[i]
-                if head is None:
-                    yield block_id, key, None
-                    continue
-                try:
-                    header = check_header(
-                        head[0], core.identity, key, head[1], layout.digest
-                    )
-                    check_payload(header, targets[i])
-                except ChunkError as e:
-                    if buffer is not None:
-                        yield block_id, key, None
-                        continue
-                    core.bad_chunk(key, e, at_load=not probe)
-                    yield block_id, key, False
-                    continue
-                self._count_loaded(head, buffer)
-                yield block_id, key, True
+                ok = self._check(head, keys[i], targets[i], buffer, probe)
+                yield [block_ids[i]], [keys[i]], [ok]
         finally:
             reads.close()
+
+    def _check(
+        self,
+        head: Head | None,
+        key: str,
+        into: Sequence[memoryview],
+        buffer: BufferReader | None,
+        probe: bool,
+    ) -> bool | None:
+        """The outcome of chunk ``key``, read into its block ``into`` of a
+        host KV cache (``_read``'s host path), checked there."""
+        core = self._core
+        if head is None:
+            return None
+        try:
+            header = check_header(
+                head[0], core.identity, key, head[1], self.layout.digest
+            )
+            check_payload(header, into)
+        except ChunkError as e:
+            if buffer is not None:
+                return None
+            core.bad_chunk(key, e, at_load=not probe)
+            return False
+        self._count_loaded(head, buffer)
+        return True
 
     def _count_loaded(self, head: Head, buffer: BufferReader | None) -> None:
         self._core.stats.inc("loaded_bytes", head[1])
@@ -213,7 +228,7 @@ class WorkerSide:
         source: Backend | BufferReader,
         buffer: BufferReader | None,
         probe: bool,
-    ) -> Iterator[tuple[int, str, bool | None]]:
+    ) -> Iterator[_Batch]:
         """``_read`` for a KV cache off the host: batches of chunks read into
         the host pool and checked there, then copied into their blocks
         (``DeviceTransfer.scatter``); the next batch is read while one is
@@ -253,8 +268,7 @@ class WorkerSide:
                 )
                 if len(held) > 1:
                     self._give_back(held.pop(0))
-                for j, ok in enumerate(outcomes):
-                    yield batch_ids[j], batch_keys[j], ok
+                yield batch_ids, batch_keys, outcomes
                 if store_error is not None:
                     core.unavailable(store_error)
                     return
@@ -270,7 +284,7 @@ class WorkerSide:
         source: Backend | BufferReader,
         buffer: BufferReader | None,
         probe: bool,
-    ) -> Iterator[tuple[int, str, bool | None]]:
+    ) -> Iterator[_Batch]:
         """``_read`` through the host tier: a chunk the tier holds is copied
         from its slot; the others are read into free slots, checked there,
         copied, and kept in the tier. In batches of at most a quarter of the
@@ -298,10 +312,18 @@ class WorkerSide:
                     batch_ids, batch_keys = batch_ids[:cut], batch_keys[:cut]
                     slots, misses = slots[:cut], misses[: len(fresh)]
                 fresh_of = dict(zip(misses, fresh, strict=True))
-                batch_slots = [
-                    fresh_of[j] if slot is None else slot
-                    for j, slot in enumerate(slots)
-                ]
+                # No misses: every slot was found (none is None).
+                batch_slots = (
+                    [
+                        fresh_of[j] if slot is None else slot
+                        for j, slot in enumerate(slots)
+                    ]
+                    if misses
+                    else cast(list[int], slots)
+                )
+                # Held before anything can raise (a read, a check, a copy):
+                # the ``finally`` unpins every slot this load pinned.
+                held.append((batch_slots, None))
                 checked, store_error = self._read_into(
                     [batch_keys[j] for j in misses],
                     source,
@@ -321,21 +343,22 @@ class WorkerSide:
                 end = len(batch_keys)
                 if len(checked) < len(misses):
                     end = misses[len(checked)]
-                hits = [j for j in range(end) if j not in fresh_of]
-                core.stats.inc("host_tier_loaded_bytes", len(hits) * tier.block_bytes)
-                core.stats.inc(
-                    "loaded_bytes", len(hits) * (HEADER_BYTES + tier.block_bytes)
+                hits = end - sum(1 for j in misses if j < end)
+                core.stats.inc("host_tier_loaded_bytes", hits * tier.block_bytes)
+                core.stats.inc("loaded_bytes", hits * (HEADER_BYTES + tier.block_bytes))
+                if end == len(batch_keys) and all(outcomes):
+                    ids, rows_slots = batch_ids, batch_slots
+                else:
+                    rows = [j for j in range(end) if outcomes[j]]
+                    ids = [batch_ids[j] for j in rows]
+                    rows_slots = [batch_slots[j] for j in rows]
+                held[-1] = (
+                    batch_slots,
+                    transfer.load_from(ids, tier.addrs(rows_slots)),
                 )
-                rows = [j for j in range(end) if outcomes[j]]
-                event = transfer.load_from(
-                    [batch_ids[j] for j in rows],
-                    [tier.addr(batch_slots[j]) for j in rows],
-                )
-                held.append((batch_slots, event))
                 if len(held) > 1:
                     self._give_back_slots(held.pop(0))
-                for j in range(end):
-                    yield batch_ids[j], batch_keys[j], outcomes[j]
+                yield batch_ids[:end], batch_keys[:end], outcomes[:end]
                 if store_error is not None:
                     core.unavailable(store_error)
                     return
@@ -449,24 +472,25 @@ class WorkerSide:
         cancelled: Callable[[], bool] = lambda: False,
     ) -> set[int]:
         """Load ``spec``'s blocks and release its lease; return the blocks
-        that could not be loaded. Stops between two blocks once
+        that could not be loaded. Stops between two batches once
         ``cancelled()`` (the request finished while it loaded)."""
         core = self._core
-        keys = [keys[self.rank] for keys in spec.keys]
+        rank = self.rank
+        keys = [keys[rank] for keys in spec.keys]
         done: set[int] = set()
-        from_store = list(zip(spec.block_ids, keys, strict=True))
+        block_ids: Sequence[int] = spec.block_ids
+        from_store = keys
         try:
             if spec.num_buffered and buffer_dir is not None:
                 n = spec.num_buffered
                 buffer = BufferReader(buffer_dir)
-                done = self._fill(spec.block_ids[:n], keys[:n], cancelled, buffer)
+                done = self._fill(block_ids[:n], keys[:n], cancelled, buffer)
                 # What the buffer lacked is read from the store.
-                from_store = [(b, k) for b, k in from_store[:n] if b not in done]
-                from_store += list(zip(spec.block_ids[n:], keys[n:], strict=True))
+                lacked = [j for j in range(n) if block_ids[j] not in done]
+                block_ids = [block_ids[j] for j in lacked] + list(block_ids[n:])
+                from_store = [keys[j] for j in lacked] + keys[n:]
             if not cancelled():
-                done |= self._fill(
-                    [b for b, _ in from_store], [k for _, k in from_store], cancelled
-                )
+                done |= self._fill(block_ids, from_store, cancelled)
         finally:
             if spec.lease_id is not None:
                 core.release(spec.lease_id, keys, count=self.rank == 0)
@@ -484,9 +508,11 @@ class WorkerSide:
     ) -> set[int]:
         """``_read`` until ``cancelled()``; the blocks loaded."""
         done: set[int] = set()
-        for block_id, _, ok in self._read(block_ids, keys, buffer):
-            if ok:
-                done.add(block_id)
+        for ids, _, outcomes in self._read(block_ids, keys, buffer):
+            if all(outcomes):
+                done.update(ids)
+            else:
+                done.update(b for b, ok in zip(ids, outcomes, strict=True) if ok)
             if cancelled():
                 break
         return done
@@ -534,10 +560,11 @@ class WorkerSide:
             # it again.
             good = 0
             whole = True
-            for _, _, ok in self._read(probe.block_ids[:n], keys[:n], probe=True):
-                whole = whole and bool(ok)
-                good += whole
-                if ok is None:
+            for _, _, outcomes in self._read(probe.block_ids[:n], keys[:n], probe=True):
+                for ok in outcomes:
+                    whole = whole and bool(ok)
+                    good += whole
+                if None in outcomes:
                     break
             if good < n:
                 core.release(lease_id, keys[good:n], count=False)

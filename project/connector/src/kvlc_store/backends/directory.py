@@ -26,6 +26,10 @@ from kvlc_store.backends.base import (
 # Buffers per writev/preadv call (Linux's IOV_MAX is 1024).
 _IOV_MAX = 512
 
+# Chunks a process remembers as stored (``DirectoryBackend._known``) before
+# it starts over: ~100 bytes each, 2,048 per 32k-token prompt of TP 1.
+KNOWN_CHUNKS = 1 << 19
+
 _T = TypeVar("_T")
 
 # What a chunk file that is not one is called in the log.
@@ -156,6 +160,15 @@ class DirectoryBackend:
     torn, and its checksum makes it a miss; a cache need not survive one.
     LRU order is file mtime (a ``get`` touches the file).
 
+    A lease checks that its chunks exist only for chunks this process has
+    not seen stored yet: the chunks it wrote or found stored are kept in
+    memory (``_known``) until a chunk leaves the store. Every deletion by a
+    backend (an eviction, a damaged chunk deleted, a layout recreated)
+    writes a new token to ``generation`` under the lock, and a lease that
+    reads another token than the one its known chunks were seen under
+    forgets them. A chunk file removed by hand (not through a backend) is
+    then found missing at load, as a load error.
+
     Every file-system error of an operation (``OSError``: missing directory,
     permission, full disk, I/O error) is ``BackendUnavailable``. If the
     directory or its layout was deleted, the operation recreates the layout
@@ -189,6 +202,11 @@ class DirectoryBackend:
         self._tmp = root / "tmp"
         self._lock_path = root / ".lock"
         self._size_path = root / "size"
+        self._generation_path = root / "generation"
+        # Chunks seen stored (written, leased) since no chunk left the store:
+        # since ``generation`` last held ``_known_at``.
+        self._known: set[str] = set()
+        self._known_at: str | None = None
         self.read_only = _read_only(root)
         if not self.read_only:
             self._make_layout()
@@ -207,6 +225,7 @@ class DirectoryBackend:
         self._gid = st.st_gid
 
     def _make_layout(self) -> None:
+        fresh = not self._chunks.is_dir()
         for d in (self._chunks, self._leases, self._tmp):
             self._mkdirs(d)
         if not self._lock_path.exists():
@@ -214,6 +233,10 @@ class DirectoryBackend:
         if not self._size_path.exists():
             with self._locked():
                 self._write_size(self._scan_size())
+        if fresh or self._generation() is None:
+            # Chunks gone with a deleted layout are not known to anyone.
+            with self._locked():
+                self._new_generation()
 
     def _mkdirs(self, path: Path) -> None:
         """Create ``path`` and its missing parents with the store's mode."""
@@ -373,6 +396,8 @@ class DirectoryBackend:
         os.close(fd)
         os.replace(tmp, path)
         with self._locked():
+            if self._known_current():
+                self._known.add(key)
             total = self._read_size() + size
             if total <= self.capacity_bytes:
                 self._write_size(total)
@@ -452,6 +477,7 @@ class DirectoryBackend:
                 path.unlink()
             except FileNotFoundError:
                 return
+            self._new_generation()
             self._write_size(max(0, self._read_size() - size))
 
     def num_bytes(self) -> int:
@@ -520,8 +546,17 @@ class DirectoryBackend:
         return not self.read_only and self._lease_error is None
 
     def _stored_run(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are stored: those known (``_known``)
+        without a look at the file system. Under the lock, unless read-only
+        (whose chunks are taken to stay put)."""
+        known = self._known if self._known_current() else set()
+        if known.issuperset(keys):
+            return len(keys)
         n = 0
         for key in keys:
+            if key in known:
+                n += 1
+                continue
             # A regular file only: a link or a FIFO under a chunk's name is
             # not a chunk.
             path = self._file(key)
@@ -532,8 +567,46 @@ class DirectoryBackend:
             if not stat.S_ISREG(st.st_mode):
                 self._trusted(path, st)  # refused, with its line
                 break
+            known.add(key)
             n += 1
         return n
+
+    # -- what left the store ----------------------------------------------
+
+    def _generation(self) -> str | None:
+        """The store's generation token; None if it has none (yet)."""
+        try:
+            with open(self._generation_path, "rb") as f:
+                return f.read(64).decode(errors="replace").strip() or None
+        except FileNotFoundError:
+            return None
+
+    def _new_generation(self) -> None:
+        """A chunk left the store: every process forgets what it knew
+        stored. The caller holds the lock."""
+        tmp = self._generation_path.with_suffix(f".{os.getpid()}")
+        self._write_file(tmp, uuid.uuid4().hex)
+        os.replace(tmp, self._generation_path)
+
+    def _known_current(self) -> bool:
+        """Forget ``_known`` if a chunk left the store since it was seen;
+        whether chunks can be known now (the store has a generation)."""
+        generation = self._generation()
+        if (
+            generation is None
+            or generation != self._known_at
+            or len(self._known) > KNOWN_CHUNKS
+        ):
+            self._known.clear()
+            self._known_at = generation
+        return generation is not None
+
+    @property
+    def generation(self) -> str | None:
+        """The generation what this process knows stored was seen under, as
+        of its last lease: a caller's own facts about chunks (a checked
+        header) hold as long as it is the same and not None."""
+        return self._known_at
 
     def _lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
         with self._locked():
@@ -554,9 +627,9 @@ class DirectoryBackend:
                 lines = path.read_text().splitlines()
             except FileNotFoundError:
                 return
-            ttl, held = lines[0], [k for k in lines[1:] if k]
+            ttl, held = lines[0], lines[1:]
             drop = set(keys)
-            left = [k for k in held if k not in drop]
+            left = [] if drop.issuperset(held) else [k for k in held if k not in drop]
             if left:
                 self._write_file(path, ttl + "\n" + "\n".join(left) + "\n")
             else:
@@ -605,6 +678,8 @@ class DirectoryBackend:
                 p.unlink(missing_ok=True)
                 total -= size
                 evicted += 1
+        if evicted:
+            self._new_generation()
         self._write_size(total)
         return evicted
 
