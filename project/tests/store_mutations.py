@@ -95,8 +95,8 @@ MUTATIONS = [
     Mutation(
         "open-error-is-a-miss",
         "backends/directory.py",
-        "        fd = os.open(path, os.O_RDONLY)\n    except FileNotFoundError:\n",
-        "        fd = os.open(path, os.O_RDONLY)\n    except OSError:\n",
+        "        fd = os.open(path, _OPEN_CHUNK)\n    except FileNotFoundError:\n",
+        "        fd = os.open(path, _OPEN_CHUNK)\n    except OSError:\n",
         "test_store_faults.py",
     ),
     Mutation(
@@ -130,8 +130,8 @@ MUTATIONS = [
     Mutation(
         "chunk-keys-ignore-tp-rank",
         "core.py",
-        'return [f"{self.identity}/{h}.{r}" for r in range(self.tp_size)]',
-        'return [f"{self.identity}/{h}.0" for r in range(self.tp_size)]',
+        'return [f"{self.key_prefix}/{h}.{r}" for r in range(self.tp_size)]',
+        'return [f"{self.key_prefix}/{h}.0" for r in range(self.tp_size)]',
         "test_store_load.py",
     ),
     Mutation(
@@ -200,8 +200,8 @@ MUTATIONS = [
     Mutation(
         "format-3-called-unknown",
         "chunk.py",
-        "        if version < FORMAT_VERSION:\n",
-        "        if version < 3:\n",
+        "    if type(version) is int and version < FORMAT_VERSION:\n",
+        "    if type(version) is int and version < 3:\n",
         "test_store_kv_layout.py",
     ),
     # -- the store's identity
