@@ -158,11 +158,11 @@ MUTATIONS = [
         "test_store_host_tier.py",
     ),
     Mutation(
-        "tier-keeps-saves-only-while-the-store-is-up",
+        "tier-keeps-a-chunk-the-store-refused",
         "async_save.py",
-        "                        tier.publish(key, slot)\n",
         "                        if store_up:\n"
         "                            tier.publish(key, slot)\n",
+        "                        tier.publish(key, slot)\n",
         "test_store_host_tier.py",
     ),
     Mutation(

@@ -33,10 +33,10 @@ def test_save_copies_wait_for_the_forward(
     side = device._side
 
     @contextlib.contextmanager
-    def recording(event: object) -> Iterator[None]:
+    def recording(stream: object, event: object) -> Iterator[object]:
         after.append(event)
-        with side(None):
-            yield
+        with side(stream, None) as queued_on:
+            yield queued_on
 
     monkeypatch.setattr(device, "_side", recording)
     saves = [SaveSpec(b, [key(b)], req_id="r") for b in range(3)]

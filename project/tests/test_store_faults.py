@@ -236,7 +236,7 @@ def test_read_only_store_is_read_and_never_written(
     here: test_store_shared_e2e.py mounts one for real) is opened read-only:
     reads work, nothing is written, leased, marked used or deleted; the
     settings check accepts it only if it holds a store."""
-    from kvlc_store import config
+    from kvlc_store import config, store_checks
 
     DirectoryBackend(tmp_path / "store", 10**6).put(KEY, DATA)
     (tmp_path / "empty").mkdir()
@@ -248,7 +248,9 @@ def test_read_only_store_is_read_and_never_written(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(directory.os, "open", refuse_writes)
-    monkeypatch.setattr(config.tempfile, "mkstemp", lambda **k: refuse_writes("", 1))
+    monkeypatch.setattr(
+        store_checks.tempfile, "mkstemp", lambda **k: refuse_writes("", 1)
+    )
     assert config.parse_config({"path": str(tmp_path / "store")}).path
     with pytest.raises(ValueError, match="cannot create or write it"):
         config.parse_config({"path": str(tmp_path / "empty")})

@@ -158,8 +158,8 @@ def test_every_tp_rank_must_hold_the_block(tmp_path: Path):
 
 
 class FileWork:
-    """Counts the chunk files a lookup looks at: existence checks (the
-    lease) and header reads (``verify_on_lookup``)."""
+    """Counts the chunk files a lookup looks at: existence checks and lstats
+    (the lease) and header reads (``verify_on_lookup``)."""
 
     def __init__(self, core: StoreCore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.exists = 0
@@ -172,6 +172,14 @@ class FileWork:
             return exists(path)
 
         monkeypatch.setattr(os.path, "exists", counting_exists)
+        lstat = os.lstat
+
+        def counting_lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+            if "/chunks/" in str(path):
+                self.exists += 1
+            return lstat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "lstat", counting_lstat)
         peek = core.backend.peek
 
         def counting_peek(keys: Sequence[str], n: int) -> list[Head | None]:

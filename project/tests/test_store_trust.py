@@ -191,6 +191,8 @@ def test_fifo_under_a_chunks_name_is_a_miss_without_blocking(tmp_path: Path, cap
     chunk_path(root).unlink()
     chunk_path(root).symlink_to(fifo)
     os.mkfifo(chunk_path(root, direct))
+    # Another process's view: this one remembers KEY as stored since its put.
+    backend = DirectoryBackend(root, 10**6)
     results: list[object] = []
 
     def read() -> None:
