@@ -49,11 +49,11 @@ def main() -> None:
 
     import numpy as np
     import torch
+    from vllm.v1.core.block_pool import BlockPool
 
     from vllm.distributed.kv_transfer.kv_connector.v1.scheduler_context import (
         KVConnectorSchedulerContext,
     )
-    from vllm.v1.core.block_pool import BlockPool
 
     num_blocks = 2 * args.num_ids + 1
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
