@@ -30,7 +30,7 @@ def _init_none_hash() -> None:
     init_none_hash(sha256)
 
 
-class CountingContext(scheduler_context.BlockPoolSchedulerContext):
+class CountingContext(scheduler_context.KVConnectorSchedulerContext):
     """Counts the blocks iter_free_blocks() yields, to bound a step's scan."""
 
     yielded = 0

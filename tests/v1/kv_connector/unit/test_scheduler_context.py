@@ -19,10 +19,16 @@ from tests.v1.kv_connector.unit.utils import (
     create_scheduler,
     create_vllm_config,
 )
+from tests.v1.simple_kv_offload.test_scheduler import (
+    _BYTES_PER_BLOCK,
+    _make_kv_cache_config,
+    _make_vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     _IN_TREE_BIND_GPU_BLOCK_POOL,
     KVConnectorBase_V1,
+    KVConnectorRole,
     _overrides_bind_gpu_block_pool_out_of_tree,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
@@ -32,8 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.scheduler_context import (
-    BlockPoolSchedulerContext,
+    KVConnectorSchedulerContext,
     SchedulerContext,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+    SimpleCPUOffloadConnector,
 )
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
@@ -76,11 +85,13 @@ def _init_none_hash() -> None:
     init_none_hash(sha256)
 
 
-def _make_context(num_blocks: int = 10) -> tuple[BlockPoolSchedulerContext, BlockPool]:
+def _make_context(
+    num_blocks: int = 10,
+) -> tuple[KVConnectorSchedulerContext, BlockPool]:
     pool = BlockPool(
         num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE
     )
-    return BlockPoolSchedulerContext(pool), pool
+    return KVConnectorSchedulerContext(pool), pool
 
 
 def _queue_ids(pool: BlockPool) -> list[int]:
@@ -165,16 +176,38 @@ def test_unknown_block_id_raises_and_changes_nothing(block_id: Any):
     assert _queue_ids(pool) == before
 
 
-def test_integer_ids_of_any_type_are_accepted():
-    """Block tables are often numpy or torch arrays: their integers are ids."""
+@pytest.mark.parametrize(
+    "given",
+    [
+        [np.int64(3), np.int32(4), 5],
+        np.array([3, 4, 5]),
+        np.array([3, 4, 5], dtype=np.int32),
+        torch.tensor([3, 4, 5]),
+        (i for i in (3, 4, 5)),
+    ],
+    ids=["numpy_ints", "int64_array", "int32_array", "tensor", "generator"],
+)
+def test_integer_ids_of_any_type_are_accepted(given: Any):
+    """Block tables are often numpy or torch arrays: their integers are ids,
+    and an array or tensor is taken whole."""
     context, pool = _make_context()
-    ids = [np.int64(3), np.int32(4), torch.tensor(5)]
-    assert [context.get_block(i) for i in ids] == pool.blocks[3:6]
+    ids = list(given) if isinstance(given, list) else given
     context.touch(ids)
     assert [pool.blocks[i].ref_cnt for i in (3, 4, 5)] == [1, 1, 1]
-    context.free_blocks(np.array([3, 4, 5]))
+    assert context.get_block(np.int64(3)) is pool.blocks[3]
+    context.free_blocks([3, 4, 5])
     assert [pool.blocks[i].ref_cnt for i in (3, 4, 5)] == [0, 0, 0]
     assert context.get_block_hashes(np.int64(3)) == []
+
+
+@pytest.mark.parametrize("given", [[3, np.float64(4.0)], [3, torch.tensor(4)]])
+def test_other_id_types_raise_and_change_nothing(given: list[Any]):
+    """A tensor element is rejected: converting ids one by one would cost
+    tens of times BlockPool's own calls; pass the tensor itself."""
+    context, pool = _make_context()
+    with pytest.raises(ValueError, match="pass a numpy array or tensor of ids"):
+        context.touch(given)
+    assert pool.blocks[3].ref_cnt == 0
 
 
 def test_view_is_live_and_reports_the_stored_hash_and_group():
@@ -237,7 +270,7 @@ def test_free_returns_cached_blocks_to_lru_tail_and_uncached_to_front():
 
 def test_references_outlive_the_request_that_allocated_the_blocks():
     manager = _make_manager()
-    context = BlockPoolSchedulerContext(manager.block_pool)
+    context = KVConnectorSchedulerContext(manager.block_pool)
     request = create_request(request_id=1, num_tokens=3 * BLOCK_SIZE)
     blocks = manager.allocate_slots(request, 3 * BLOCK_SIZE)
     assert blocks is not None
@@ -288,7 +321,7 @@ def test_connector_cannot_free_a_reference_a_request_holds():
     """free_blocks() drops only references this context took: a request's
     blocks stay allocated whatever the connector frees."""
     manager = _make_manager()
-    context = BlockPoolSchedulerContext(manager.block_pool)
+    context = KVConnectorSchedulerContext(manager.block_pool)
     request = create_request(request_id=1, num_tokens=2 * BLOCK_SIZE)
     blocks = manager.allocate_slots(request, 2 * BLOCK_SIZE)
     assert blocks is not None
@@ -309,7 +342,7 @@ def test_deprecated_pool_binding_checks_frees_against_the_blocks_references():
     references through the pool itself: its frees are checked against the
     block's references, as in 0.32.0."""
     pool = BlockPool(num_gpu_blocks=10, enable_caching=True, hash_block_size=BLOCK_SIZE)
-    context = BlockPoolSchedulerContext(pool, count_references=False)
+    context = KVConnectorSchedulerContext(pool, count_references=False)
     pool.touch([pool.blocks[3]])
     context.free_blocks([3])
     assert pool.blocks[3].ref_cnt == 0
@@ -319,7 +352,7 @@ def test_deprecated_pool_binding_checks_frees_against_the_blocks_references():
 
 def test_free_touched_blocks_drops_only_this_contexts_references():
     manager = _make_manager()
-    context = BlockPoolSchedulerContext(manager.block_pool)
+    context = KVConnectorSchedulerContext(manager.block_pool)
     other = context.new_context()
     request = create_request(request_id=1, num_tokens=BLOCK_SIZE)
     blocks = manager.allocate_slots(request, BLOCK_SIZE)
@@ -434,7 +467,7 @@ def test_scheduler_binds_one_context_over_its_own_state():
     assert isinstance(connector, ContextRecordingConnector)
     assert len(connector.bound_contexts) == 1
     context = connector.bound_contexts[0]
-    assert isinstance(context, BlockPoolSchedulerContext)
+    assert isinstance(context, KVConnectorSchedulerContext)
     assert context.block_pool is scheduler.kv_cache_manager.block_pool
     assert context.get_num_free_blocks() == 63
 
@@ -469,7 +502,7 @@ def test_multi_connector_binds_each_child_its_own_context():
     [first_context] = first.bound_contexts
     [second_context] = second.bound_contexts
     assert first_context is not second_context
-    assert isinstance(first_context, BlockPoolSchedulerContext)
+    assert isinstance(first_context, KVConnectorSchedulerContext)
     assert first_context.block_pool is pool
     second_context.touch([4])
     with pytest.raises(ValueError, match="this context holds 0"):
@@ -578,3 +611,38 @@ def test_in_tree_override_is_still_called_without_a_warning(
     assert not [
         r for r in caplog_vllm.records if "bind_gpu_block_pool()" in r.getMessage()
     ]
+
+
+class PoolForwardingComposite(MockKVConnector):
+    """A composite connector outside vLLM written against 0.32.0: like
+    0.32.0's MultiConnector, it forwards bind_gpu_block_pool() only."""
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        for child in self.children:
+            child.bind_gpu_block_pool(gpu_block_pool)
+
+
+def test_simple_cpu_offload_still_bound_through_bind_gpu_block_pool():
+    """SimpleCPUOffloadConnector implemented bind_gpu_block_pool() in 0.32.0:
+    a composite forwarding only that call must still bind its manager, or
+    offload silently stores nothing."""
+    vllm_config = _make_vllm_config()
+    assert vllm_config.kv_transfer_config is not None
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {
+        "cpu_bytes_to_use_per_rank": _BYTES_PER_BLOCK * 4
+    }
+    child = SimpleCPUOffloadConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, _make_kv_cache_config(num_blocks=16)
+    )
+    composite = object.__new__(PoolForwardingComposite)
+    composite.children = [child]
+    manager = _make_manager()
+    composite.bind_kv_cache_manager(manager)
+    composite.bind_scheduler_context(KVConnectorSchedulerContext(manager.block_pool))
+
+    assert child.scheduler_manager is not None
+    context = child.scheduler_manager._scheduler_context
+    assert isinstance(context, KVConnectorSchedulerContext)
+    assert context.block_pool is manager.block_pool
+    context.touch([5])
+    assert manager.block_pool.blocks[5].ref_cnt == 1

@@ -2,24 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What a KV connector may see and do on the scheduler's KV cache.
 
-The scheduler builds one SchedulerContext over its block pool and hands it to
-KVConnectorBase_V1.bind_scheduler_context() once. Connectors name blocks by
-id, as block tables and KVCacheBlocks.get_block_ids() do, and read them
-through KVCacheBlockView; no signature names a vLLM-internal type, so the
-block pool can change without breaking connectors.
-
-BlockPoolSchedulerContext is vLLM's implementation over the real BlockPool. It
-hands out vLLM's own KVCacheBlock objects, which satisfy KVCacheBlockView
-structurally: no wrapper objects on the hot path. The contract (lifetimes,
-reference counting, iteration) is written down in
-docs/design/kv_connector_scheduler_context.md.
+The scheduler builds one KVConnectorSchedulerContext over its block pool and
+hands it to KVConnectorBase_V1.bind_scheduler_context() once. Connectors name
+blocks by id and read them through KVCacheBlockView, which vLLM's KVCacheBlock
+satisfies structurally (no wrappers). The contract (lifetimes, reference
+counting, iteration) is in docs/design/kv_connector_scheduler_context.md.
 """
 
-import contextlib
-import operator
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
 
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
@@ -79,17 +74,12 @@ class KVCacheBlockView(Protocol):
 class SchedulerContext(Protocol):
     """The scheduler's KV cache state as a KV connector may use it.
 
-    Scheduler side only. Every method must be called from the scheduler's
-    thread, inside a connector callback (bind_scheduler_context() and later
-    scheduler-side methods); none may be called from a worker.
-
-    Blocks are named by id. Reference counting: touch() takes one reference
-    per id, free_blocks() drops one of those. A block with references is
-    never allocated to a request or evicted. The context counts the
-    references its connector took, so a connector can free only those, never
-    one a request holds. A connector must drop every reference it took (for
-    example when its transfer finished or the request was aborted), or all of
-    them at once with free_touched_blocks() when it resets.
+    Called only from the scheduler's thread, inside scheduler-side connector
+    callbacks. Ids may be ints or numpy integers, or a whole numpy array or
+    tensor. touch() takes one reference per id and free_blocks() drops one;
+    a referenced block is never allocated or evicted. The context counts its
+    connector's references, so a connector frees only its own, and must drop
+    each one (or all, with free_touched_blocks(), when it resets).
     """
 
     def get_block(self, block_id: int) -> KVCacheBlockView:
@@ -167,7 +157,7 @@ class SchedulerContext(Protocol):
 _INT = frozenset({int})
 
 
-class BlockPoolSchedulerContext:
+class KVConnectorSchedulerContext:
     """SchedulerContext over the scheduler's BlockPool.
 
     Args:
@@ -195,33 +185,35 @@ class BlockPoolSchedulerContext:
         return self._blocks[self._index(block_id, what)]
 
     def _index(self, block_id: int, what: str) -> int:
-        # Any integer type is an id (numpy's too, as block tables often
-        # are); bool, float and str are not.
-        index = None
-        if not isinstance(block_id, bool):
-            with contextlib.suppress(TypeError):
-                index = operator.index(block_id)
-        if index is None or not 0 <= index < len(self._blocks):
-            raise ValueError(
-                f"{what}: unknown block id {block_id!r} of type "
-                f"{type(block_id).__name__}; block ids are integers "
-                f"0..{len(self._blocks) - 1}"
-            )
-        return index
+        if isinstance(block_id, int | np.integer) and not isinstance(block_id, bool):
+            index = int(block_id)
+            if 0 <= index < len(self._blocks):
+                return index
+        raise ValueError(
+            f"{what}: unknown block id {block_id!r} of type "
+            f"{type(block_id).__name__}; block ids are integers "
+            f"0..{len(self._blocks) - 1} (int or numpy integers; pass a numpy "
+            "array or tensor of ids as a whole)"
+        )
 
     def _referenceable_ids(self, block_ids: Iterable[int], what: str) -> list[int]:
-        """The ids as ints, all checked before the caller changes anything.
-
-        Called for every id of every touch() and free_blocks(), which a
-        connector may call each step with thousands of ids: plain ints are
-        checked in bulk, other integer types one by one.
-        """
-        ids = list(block_ids)
+        """The ids as a list of ints, all checked before the caller changes
+        anything. Runs for every touch() and free_blocks(), with up to
+        thousands of ids a step, so the checks are bulk operations."""
+        if isinstance(block_ids, np.ndarray | torch.Tensor):
+            ids = block_ids.tolist()
+        else:
+            ids = list(block_ids)
         if not ids:
             return ids
-        if not _INT.issuperset(map(type, ids)):
-            ids = [self._index(block_id, what) for block_id in ids]
-        elif min(ids) < 0 or max(ids) >= len(self._blocks):
+        types = set(map(type, ids))
+        if not _INT.issuperset(types):
+            if all(t is int or issubclass(t, np.integer) for t in types):
+                # Numpy integers, as block tables hold them.
+                ids = np.array(ids, dtype=np.int64).tolist()
+            else:
+                ids = [self._index(block_id, what) for block_id in ids]
+        if min(ids) < 0 or max(ids) >= len(self._blocks):
             for block_id in ids:
                 self._index(block_id, what)
         if self._null_block_id in ids:
@@ -293,8 +285,8 @@ class BlockPoolSchedulerContext:
         self.block_pool.free_blocks(held)
         return len(held)
 
-    def new_context(self) -> "BlockPoolSchedulerContext":
-        return BlockPoolSchedulerContext(self.block_pool)
+    def new_context(self) -> "KVConnectorSchedulerContext":
+        return KVConnectorSchedulerContext(self.block_pool)
 
     def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
         tail = self._free_queue.fake_free_list_tail
@@ -326,6 +318,6 @@ class BlockPoolSchedulerContext:
 if TYPE_CHECKING:
     # vLLM's own objects satisfy the protocols; mypy checks it here.
     def _check_structural_types(
-        block: "KVCacheBlock", context: BlockPoolSchedulerContext
+        block: "KVCacheBlock", context: KVConnectorSchedulerContext
     ) -> tuple[KVCacheBlockView, SchedulerContext]:
         return block, context
