@@ -42,6 +42,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.kv_connector_model_runner_mixin import (
     KVConnectorModelRunnerMixin,
 )
@@ -188,7 +189,7 @@ def test_mock_connector_is_not_a_hook_user(monkeypatch: pytest.MonkeyPatch):
     runner = KVConnectorModelRunnerMixin()
     so = _scheduler_output(new=[("a", 100, 0, 100)])
     assert runner.apply_kv_connector_external_hits(so) is so
-    assert runner.applied_kv_connector_external_hits is None
+    assert runner._worker_external_hits is None
     connector.before_update_states.assert_not_called()
     connector.on_external_hits_applied.assert_not_called()
     assert not external_hits.uses_worker_external_hits(connector)
@@ -474,6 +475,59 @@ def test_models_with_several_kv_cache_groups_get_no_hit(
     assert two_groups.apply(so) is so
     assert two_groups.applied is None
     assert len(hook_calls) == 1
+
+
+class FailingApplyConnector(HitsConnector):
+    def on_external_hits_applied(self, applied: dict[str, int]) -> None:
+        raise OSError("transfer engine down")
+
+
+KVConnectorFactory.register_connector(
+    "FailingApplyConnector", MODULE, "FailingApplyConnector"
+)
+
+
+def test_failing_on_external_hits_applied_fails_the_loads_of_its_hits(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The ranks agreed, so the hits stay applied; the block of each
+    request's first skipped token is reported as a load error, named also
+    when it came in an earlier step's scheduler output, and the error is
+    logged once."""
+    _single_rank(monkeypatch)
+    logger = MagicMock()
+    monkeypatch.setattr(external_hits, "logger", logger)
+    connector = _make_connector("FailingApplyConnector", hits={})
+    hits = connector._kv_transfer_config.kv_connector_extra_config["hits"]
+    connector._kv_cache_config = _attention_groups(sliding_window=False)
+    worker = external_hits.WorkerExternalHits(connector)
+
+    # "c" computes its first 40 tokens (blocks 20-22), with no hit.
+    first = _scheduler_output(new=[("c", 100, 0, 40)])
+    first.scheduled_new_reqs[0].block_ids = ([20, 21, 22],)
+    worker.apply(first)
+    assert worker.failed_block_ids == set()
+    hits.update(a=40, c=20)
+
+    # "a" from token 16 (blocks 10-16); "c" from token 40, inside block 22,
+    # which this step's output does not carry.
+    so = _scheduler_output(new=[("a", 100, 16, 84)], cached=[("c", 40, 0, 36)])
+    so.scheduled_new_reqs[0].block_ids = (list(range(10, 17)),)
+    so.scheduled_cached_reqs.new_block_ids = [([23, 24],)]
+    new_so = worker.apply(so)
+    assert new_so.num_scheduled_tokens == {"a": 44, "c": 16}
+    assert worker.applied == {"a": 40, "c": 20}
+    assert worker.failed_block_ids == {11, 22}
+    output = KVConnectorOutput(invalid_block_ids={7})
+    worker.report(output)
+    assert output.applied_external_hits == {"a": 40, "c": 20}
+    assert output.invalid_block_ids == {7, 11, 22}
+
+    # Reported once; a second failing step is not logged again.
+    worker.report(empty := KVConnectorOutput())
+    assert empty.applied_external_hits is None and not empty.invalid_block_ids
+    worker.apply(_scheduler_output(new=[("b", 100, 0, 100)]))
+    assert logger.exception.call_count == 1
 
 
 def _multi_connector(children: list[dict[str, Any]]) -> MultiConnector:

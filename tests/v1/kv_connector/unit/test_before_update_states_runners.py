@@ -84,8 +84,7 @@ def test_v1_runner_applies_hits_before_update_states(
     assert calls == ["handle_preemptions", "before_update_states", {"a": 40}]
     assert updated[0].num_scheduled_tokens == {"a": 60, "b": 1}
     # What maybe_get_kv_connector_output() reports to the scheduler.
-    applied = V1ModelRunner.applied_kv_connector_external_hits.fget(runner)
-    assert applied == {"a": 40}
+    assert runner._worker_external_hits.applied == {"a": 40}
 
 
 def test_v1_gpu_model_runner_updates_its_states_with_the_hits(
@@ -133,7 +132,7 @@ def test_v1_gpu_model_runner_updates_its_states_with_the_hits(
     idx = runner.input_batch.req_id_to_index["a"]
     assert runner.input_batch.num_computed_tokens_cpu[idx] == 40
     assert so.num_scheduled_tokens == {"a": 60}
-    assert runner.applied_kv_connector_external_hits == {"a": 40}
+    assert runner._worker_external_hits.applied == {"a": 40}
     assert connector.applied_calls == [{"a": 40}]
 
 
@@ -209,7 +208,7 @@ def test_v2_hit_on_running_request_reaches_gpu_num_computed_tokens(
     runner: Any = SimpleNamespace(req_states=req_states, block_tables=MagicMock())
     V2ModelRunner.update_requests(runner, new_so)
 
-    assert kv._applied_external_hits == {"c": 20}
+    assert kv._external_hits.applied == {"c": 20}
     assert req_states.num_computed_tokens_np[idx] == 84
     assert int(req_states.num_computed_tokens.gpu[idx]) == 84
 

@@ -9,6 +9,8 @@ import pytest
 from tests.v1.kv_connector.unit.test_before_update_states import (
     _attention_groups,
     _extra_config,
+    _make_connector,
+    _single_rank,
 )
 from tests.v1.kv_connector.unit.utils import (
     create_model_runner_output,
@@ -17,7 +19,11 @@ from tests.v1.kv_connector.unit.utils import (
     create_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.external_hits import (
+    WorkerExternalHits,
+)
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 
 def test_failed_load_on_two_group_model_cannot_be_recomputed():
@@ -152,3 +158,51 @@ def test_failed_load_of_applied_hit_is_recomputed():
         if eo.scheduler_stats and eo.scheduler_stats.connector_prefix_cache_stats
     )
     assert connector_hits == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_hits_whose_on_external_hits_applied_raised_fail_by_policy(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+):
+    """A worker whose connector raised in on_external_hits_applied() reports
+    the hit's first block as a load error: the scheduler recomputes the
+    request from that block, or fails it, by kv_load_failure_policy."""
+    _single_rank(monkeypatch)
+    vllm_config = create_vllm_config(
+        kv_connector="MockKVConnector",
+        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
+        kv_role="kv_both",
+        kv_connector_extra_config=_extra_config(),
+        max_num_batched_tokens=40,
+        kv_load_failure_policy=policy,
+    )
+    scheduler = create_scheduler(vllm_config)
+    request = create_request(num_tokens=100)
+    scheduler.add_request(request)
+    connector = _make_connector("FailingApplyConnector", hits={})
+    hits = connector._kv_transfer_config.kv_connector_extra_config["hits"]
+    connector._kv_cache_config = _attention_groups(sliding_window=False)
+    worker = WorkerExternalHits(connector)
+
+    # Chunks of 40 tokens; the hit skips tokens 40-59 of the second, from
+    # inside block 2, which came with the first chunk.
+    for step in range(2):
+        so = scheduler.schedule()
+        if step == 0:
+            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        else:
+            hits[request.request_id] = 20
+        output = KVConnectorOutput()
+        worker.apply(so)
+        worker.report(output)
+        model_output = create_model_runner_output(reqs=[request])
+        model_output.sampled_token_ids = [[]]
+        model_output.kv_connector_output = output
+        scheduler.update_from_output(so, model_output)
+    assert output.invalid_block_ids == {block_ids[2]}
+
+    if policy == "recompute":
+        assert request.num_computed_tokens == 2 * 16
+        assert not request.is_finished()
+    else:
+        assert request.status == RequestStatus.FINISHED_ERROR

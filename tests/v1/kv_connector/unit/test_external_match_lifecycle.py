@@ -218,12 +218,13 @@ def test_defaults_bridge_to_the_legacy_methods():
     assert KVConnectorBase_V1.abort_external_match(connector, request, match) is None
 
 
-def _mock_connector_config() -> Any:
+def _mock_connector_config(matched_tokens: int = 0) -> Any:
     return create_vllm_config(
         kv_connector="MockKVConnector",
         kv_connector_module_path="tests.v1.kv_connector.unit.utils",
         kv_role="kv_both",
-        kv_connector_extra_config={"matched_tokens": 0, "is_async": False},
+        kv_connector_extra_config={"matched_tokens": matched_tokens, "is_async": False},
+        block_size=BLOCK_SIZE,
     )
 
 
@@ -262,13 +263,7 @@ def test_either_pair_constructs():
 
 
 def test_legacy_connector_is_called_directly_by_the_scheduler():
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config={"matched_tokens": BLOCK_SIZE, "is_async": False},
-        block_size=BLOCK_SIZE,
-    )
+    vllm_config = _mock_connector_config(matched_tokens=BLOCK_SIZE)
     with patch.dict(os.environ, {"VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE": "1"}):
         scheduler = create_scheduler(vllm_config)
     # The legacy calls, no match objects: the legacy pair costs what it did.
@@ -306,13 +301,7 @@ def test_steps_without_a_lifecycle_connector_call_no_lifecycle_code(
     # With no connector, or one that does not use the lifecycle, a step runs
     # Scheduler.schedule() itself (no wrapper frame) and nothing of the
     # lifecycle but the forwarding of the legacy calls.
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config={"matched_tokens": BLOCK_SIZE, "is_async": False},
-        block_size=BLOCK_SIZE,
-    )
+    vllm_config = _mock_connector_config(matched_tokens=BLOCK_SIZE)
     if not with_connector:
         vllm_config.kv_transfer_config = None
     scheduler = create_scheduler(vllm_config)
@@ -355,13 +344,7 @@ def test_bare_mock_connector_is_driven_through_the_legacy_pair():
 
 
 def test_legacy_connector_calls_are_unchanged_through_the_scheduler():
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config={"matched_tokens": 2 * BLOCK_SIZE, "is_async": False},
-        block_size=BLOCK_SIZE,
-    )
+    vllm_config = _mock_connector_config(matched_tokens=2 * BLOCK_SIZE)
     scheduler = create_scheduler(vllm_config)
     connector = scheduler.connector
     connector.get_num_new_matched_tokens = Mock(

@@ -51,32 +51,22 @@ def _child(hma: bool) -> dict[str, Any]:
     }
 
 
+def _multi(*child_hma: bool) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [_child(hma) for hma in child_hma]},
+    )
+
+
 @pytest.mark.parametrize(
     "kv_transfer_config,hma_on",
     [
         (KVTransferConfig(**_child(hma=True)), True),
         (KVTransferConfig(**_child(hma=False)), False),
         (KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"), False),
-        (
-            KVTransferConfig(
-                kv_connector="MultiConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "connectors": [_child(hma=True), _child(hma=True)]
-                },
-            ),
-            True,
-        ),
-        (
-            KVTransferConfig(
-                kv_connector="MultiConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={
-                    "connectors": [_child(hma=True), _child(hma=False)]
-                },
-            ),
-            False,
-        ),
+        (_multi(True, True), True),
+        (_multi(True, False), False),
     ],
     ids=["class-says-yes", "class-says-no", "no-supports-hma", "multi-yes", "multi-no"],
 )

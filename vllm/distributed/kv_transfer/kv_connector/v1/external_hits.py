@@ -26,6 +26,7 @@ from vllm.v1.request import get_skip_reading_prefix_cache
 
 if TYPE_CHECKING:
     from vllm.v1.metrics.stats import PrefixCacheStats
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
     from vllm.v1.worker.gpu.states import RequestState
 
@@ -70,9 +71,17 @@ class WorkerExternalHits:
         # The hits applied by the last apply(), for this step's
         # KVConnectorOutput.applied_external_hits.
         self.applied: dict[str, int] | None = None
+        # Blocks of this step's applied hits that the connector will not
+        # load, reported as load errors (invalid_block_ids).
+        self.failed_block_ids: set[int] = set()
         # Requests seen in scheduled_new_reqs that must compute their prompt;
         # cached requests do not carry their sampling or pooling params.
         self._skip_reading_req_ids: set[str] = set()
+        # Block ids of requests still in their prompt: a later chunk's
+        # scheduler output carries only its new blocks, and a failed hit
+        # must be reported by the id of its first block.
+        self._prompt_block_ids: dict[str, list[int]] = {}
+        self._hook_error_logged = False
 
     def apply(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """Return scheduler_output with the connector's hits applied, each the
@@ -83,8 +92,12 @@ class WorkerExternalHits:
         step. When a request may take a hit every rank joins one all-reduce,
         whatever its hook did, so none is left waiting: if the hook raised or
         returned a bad value on any rank, every rank raises RuntimeError.
+        If on_external_hits_applied() raises, the applied hits stay applied
+        and their loads fail (failed_block_ids), so the scheduler recomputes
+        or fails the requests by kv_load_failure_policy.
         """
         self.applied = None
+        self.failed_block_ids = set()
         self._track_requests(scheduler_output)
         limits = self.limits(scheduler_output)
         if not limits:
@@ -116,7 +129,11 @@ class WorkerExternalHits:
                 "return a dict of request id to a non-negative int."
             ) from error
         applied = {req_id: n for req_id, n in zip(limits, agreed) if n > 0}
-        self.connector.on_external_hits_applied(dict(applied))
+        try:
+            self.connector.on_external_hits_applied(dict(applied))
+        except Exception:
+            # The other ranks already skip these tokens: fail their loads.
+            self._fail_loads(scheduler_output, applied)
         if not applied:
             return scheduler_output
         self.applied = applied
@@ -156,8 +173,46 @@ class WorkerExternalHits:
                 limits[req_id] = limit
         return limits
 
+    def report(self, output: "KVConnectorOutput") -> None:
+        """Add this step's applied hits and failed loads to the worker's
+        KVConnectorOutput, once: a step without apply() reports nothing."""
+        output.applied_external_hits = self.applied
+        if self.failed_block_ids:
+            output.invalid_block_ids = output.invalid_block_ids | self.failed_block_ids
+        self.applied = None
+        self.failed_block_ids = set()
+
+    def _fail_loads(
+        self, scheduler_output: SchedulerOutput, applied: Mapping[str, int]
+    ) -> None:
+        if not self._hook_error_logged:
+            self._hook_error_logged = True
+            logger.exception(
+                "%s.on_external_hits_applied() failed; the hits applied in this "
+                "step are reported as load errors (kv_load_failure_policy "
+                "decides). Logged once.",
+                type(self.connector).__name__,
+            )
+        block_size = self.connector._kv_cache_config.kv_cache_groups[
+            0
+        ].kv_cache_spec.block_size
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        num_computed_tokens = dict(
+            zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens)
+        )
+        for new_req in scheduler_output.scheduled_new_reqs:
+            num_computed_tokens[new_req.req_id] = new_req.num_computed_tokens
+        # The scheduler recomputes a request from its first failed block.
+        self.failed_block_ids = {
+            self._prompt_block_ids[req_id][num_computed_tokens[req_id] // block_size]
+            for req_id in applied
+        }
+
     def _track_requests(self, scheduler_output: SchedulerOutput) -> None:
-        self._skip_reading_req_ids.difference_update(scheduler_output.finished_req_ids)
+        finished_req_ids = scheduler_output.finished_req_ids
+        self._skip_reading_req_ids.difference_update(finished_req_ids)
+        for req_id in finished_req_ids:
+            self._prompt_block_ids.pop(req_id, None)
         for new_req in scheduler_output.scheduled_new_reqs:
             # The same rule as Request.skip_reading_prefix_cache, which makes
             # the scheduler skip local and connector prefix-cache hits.
@@ -167,6 +222,25 @@ class WorkerExternalHits:
                 self._skip_reading_req_ids.add(new_req.req_id)
             else:
                 self._skip_reading_req_ids.discard(new_req.req_id)
+            if self.unsupported_reason is None:
+                self._prompt_block_ids[new_req.req_id] = list(new_req.block_ids[0])
+        if self.unsupported_reason is not None:
+            return
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids, num_output_tokens in zip(
+            cached_reqs.req_ids,
+            cached_reqs.new_block_ids,
+            cached_reqs.num_output_tokens,
+        ):
+            if num_output_tokens:
+                # Past its prompt: it takes no more hits.
+                self._prompt_block_ids.pop(req_id, None)
+            elif req_id in cached_reqs.resumed_req_ids:
+                self._prompt_block_ids[req_id] = (
+                    list(new_block_ids[0]) if new_block_ids else []
+                )
+            elif new_block_ids:
+                self._prompt_block_ids.setdefault(req_id, []).extend(new_block_ids[0])
 
 
 def uses_worker_external_hits(connector: object) -> bool:
