@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 from workbench import testrun
@@ -90,8 +93,9 @@ def test_a_step_that_gives_no_verdict_fails(tmp_path: Path):
 
 
 def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
-    """The hooks, the workbench's tests, then ``wb regress``, each with its
-    commands and output in its log, nothing on stdout, and their verdicts."""
+    """The hooks, the workbench's tests, ``wb regress``, then the share of
+    the end-to-end tests, each with its commands and output in its log,
+    nothing on stdout, and their verdicts."""
     tools = executable(
         tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
     )
@@ -107,16 +111,25 @@ def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
     tests.mkdir(parents=True)
     for path in testrun.WORKBENCH_TESTS:
         (tmp_path / path).write_text("def test_a(): pass\n")
+    for path in testrun.BESIDE_E2E_TESTS:
+        (tmp_path / path).write_text(
+            "import os\n"
+            "def test_c(): assert os.environ['KVLC_REQUIRE_E2E'] == '1'\n"
+        )
     (tests / "test_e2e.py").write_text("def test_b(): pass\n")
     logs = tmp_path / "logs"
     logs.mkdir()
-    hooks, workbench, upstream = testrun._beside(
-        tmp_path, tools, Path(sys.executable), [], logs
+    e2e_env: Future[dict[str, str]] = Future()
+    e2e_env.set_result({"KVLC_REQUIRE_E2E": "1"})
+    hooks, workbench, upstream, e2e = testrun._beside(
+        tmp_path, tools, Path(sys.executable), [], logs, e2e_env
     )
     assert (hooks.passed, hooks.failed) == (2, 1)
     # Only the workbench's own test files, none other.
     assert (workbench.passed, workbench.failed) == (len(testrun.WORKBENCH_TESTS), 0)
     assert (upstream.passed, upstream.failed) == (7, 0)
+    # Only its share of the end-to-end tests, in the environment given.
+    assert (e2e.passed, e2e.failed) == (len(testrun.BESIDE_E2E_TESTS), 0)
     assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
     assert "--durations=25" in (logs / "workbench-tests.log").read_text()
     log = (logs / "upstream.log").read_text().splitlines()
@@ -147,8 +160,14 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
             assert paths == testrun.WORKBENCH_TESTS and out is not None
             print("workbench output", file=out)
             return testrun.Verdict(name, 2, 0, "2 passed")
+        assert env["KVLC_REQUIRE_E2E"] == "1"
+        assert env["KVLC_UPSTREAM_PYTHON"] == str(python)
+        if name == "project tests, beside":
+            assert paths == testrun.BESIDE_E2E_TESTS and out is not None
+            print("beside e2e output", file=out)
+            return testrun.Verdict(name, 4, 0, "4 passed")
         assert beside_ran.wait(30), "the steps beside did not run meanwhile"
-        assert env["KVLC_REQUIRE_E2E"] == "1" and ignore == testrun.WORKBENCH_TESTS
+        assert ignore == testrun.WORKBENCH_TESTS + testrun.BESIDE_E2E_TESTS
         return testrun.Verdict("project tests", 7, 1, "7 passed, 1 failed")
 
     python = Path(sys.executable)
@@ -170,12 +189,40 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
         "=== workbench tests: PASS: 2 passed",
         "regress output",
         "=== upstream and stack tests: PASS: 0 regressions",
+        "beside e2e output",
+        "=== project tests, beside: PASS: 4 passed",
         "=== summary",
-        "=== 17 passed, 1 failed ===",
+        "=== 21 passed, 1 failed ===",
     ]
     positions = [out.index(line) for line in order]
     assert positions == sorted(positions), out
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_environment_does_not_leave_the_lane_beside_waiting(
+    tmp_path: Path, monkeypatch
+):
+    """If an environment of the end-to-end tests cannot be made, ``./wb
+    test`` stops with that error instead of waiting forever in the lane
+    beside for the environment of its share."""
+    python = Path(sys.executable)
+    verdict = testrun.Verdict("step", 1, 0, "1 passed")
+
+    def unpatched(root):
+        raise RuntimeError("no index")
+
+    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
+    monkeypatch.setattr(testrun.devenv, "ensure", lambda root: python)
+    monkeypatch.setattr(testrun.devenv, "ensure_unpatched", unpatched)
+    monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
+    monkeypatch.setattr(testrun, "_hooks", lambda root, tools, out: verdict)
+    monkeypatch.setattr(testrun, "_upstream_tests", lambda root, py, out: verdict)
+    monkeypatch.setattr(testrun, "_project_tests", lambda *args, **kw: verdict)
+    with pytest.raises(RuntimeError, match="no index"):
+        testrun.run(tmp_path, [])
+
+
 def test_workbench_tests_are_test_files_of_the_project():
     assert all((REPO / path).is_file() for path in testrun.WORKBENCH_TESTS)
+    assert all((REPO / path).is_file() for path in testrun.BESIDE_E2E_TESTS)

@@ -2,17 +2,18 @@
 
 First the system packages the end-to-end tests need (``project/ci/
 system-packages``: installed when possible, else it stops at once with one
-line), then the environments, then four steps: the project's hooks, the
+line), then the environments, then the steps: the project's hooks, the
 project's end-to-end tests, the workbench's own tests (``WORKBENCH_TESTS``),
 upstream's and the stack's tests (``wb regress``). The end-to-end tests
 leave one of a 2-core runner's cores idle most of the time (pytest and an
 engine's start keep one busy; the rest is waiting on servers and stores), so
-the other three steps run beside them, their output held in logs and printed
-after the end-to-end tests (pytest's ``--durations`` reports show where time
-went). Each step ends with one verdict line; the last line counts tests in
-the form CI runners read (``N passed, M failed``), where a failure of the
-unpatched release that the patched build shares is not counted: only
-regressions are.
+the other three steps run beside them, then a share of the end-to-end tests
+(``BESIDE_E2E_TESTS``) once those steps are done; their output is held in
+logs and printed after the end-to-end tests (pytest's ``--durations``
+reports show where time went). Each step ends with one verdict line; the
+last line counts tests in the form CI runners read (``N passed, M failed``),
+where a failure of the unpatched release that the patched build shares is
+not counted: only regressions are.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -155,17 +156,34 @@ WORKBENCH_TESTS = tuple(
         "test_tools_env.py",
     )
 )
+# The end-to-end test files the lane beside runs after its own steps: the
+# end-to-end tests are CI's longest step, so the two lanes share them. About
+# a third of their time (by CI's --durations), none needing Redis.
+BESIDE_E2E_TESTS = tuple(
+    f"project/tests/{name}"
+    for name in (
+        "test_before_update_states_e2e.py",
+        "test_aibrix_e2e.py",
+        "test_lmcache_hma_real.py",
+    )
+)
 # Each step run beside the project's end-to-end tests, and its log.
-BESIDE_LOGS = ("hooks.log", "workbench-tests.log", "upstream.log")
+BESIDE_LOGS = ("hooks.log", "workbench-tests.log", "upstream.log", "e2e-beside.log")
 
 
 def _beside(
-    root: Path, tools: Path, python: Path, rest: list[str], logs: Path
+    root: Path,
+    tools: Path,
+    python: Path,
+    rest: list[str],
+    logs: Path,
+    e2e_env: Future[dict[str, str]],
 ) -> list[Verdict]:
-    """The hooks, the workbench's tests, then upstream's and the stack's
-    tests: the steps that run beside the project's end-to-end tests, each
-    with its output in its log (``BESIDE_LOGS``)."""
-    hooks, workbench, regress = (logs / name for name in BESIDE_LOGS)
+    """The hooks, the workbench's tests, upstream's and the stack's tests,
+    then ``BESIDE_E2E_TESTS`` in ``e2e_env`` (once the other lane has made
+    the environments they need): the steps that run beside the project's
+    end-to-end tests, each with its output in its log (``BESIDE_LOGS``)."""
+    hooks, workbench, regress, e2e = (logs / name for name in BESIDE_LOGS)
     with hooks.open("w") as out:
         verdicts = [_hooks(root, tools, out)]
     with workbench.open("w") as out:
@@ -183,6 +201,18 @@ def _beside(
         )
     with regress.open("w") as out:
         verdicts.append(_upstream_tests(root, python, out))
+    with e2e.open("w") as out:
+        verdicts.append(
+            _project_tests(
+                root,
+                python,
+                e2e_env.result(),
+                rest,
+                BESIDE_E2E_TESTS,
+                name="project tests, beside",
+                out=out,
+            )
+        )
     return verdicts
 
 
@@ -203,14 +233,29 @@ def run(root: Path, rest: list[str]) -> int:
     logs = root / "build" / "wb-test"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"=== hooks, workbench and upstream tests: running beside, logs in {logs}")
+    e2e_env: Future[dict[str, str]] = Future()
     with ThreadPoolExecutor(1) as pool:
-        beside = pool.submit(_beside, root, tools, python, rest, logs)
-        # The end-to-end tests compare with the release and must not skip in CI.
-        unpatched = devenv.ensure_unpatched(root)
-        devenv.ensure_lmcache(root)
-        e2e_env = {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
+        beside = pool.submit(_beside, root, tools, python, rest, logs, e2e_env)
+        try:
+            # The end-to-end tests compare with the release and must not
+            # skip in CI.
+            unpatched = devenv.ensure_unpatched(root)
+            devenv.ensure_lmcache(root)
+        except BaseException as e:
+            # Or the lane beside would wait for the environments forever.
+            e2e_env.set_exception(e)
+            raise
+        e2e_env.set_result(
+            {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
+        )
         print("=== project tests", flush=True)
-        tests = _project_tests(root, python, e2e_env, rest, ignore=WORKBENCH_TESTS)
+        tests = _project_tests(
+            root,
+            python,
+            e2e_env.result(),
+            rest,
+            ignore=WORKBENCH_TESTS + BESIDE_E2E_TESTS,
+        )
         print(tests.line(), flush=True)
         if not beside.done():
             print("=== waiting for the steps beside", flush=True)
