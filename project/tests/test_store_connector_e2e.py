@@ -182,11 +182,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         redis.stop()
 
 
-def assert_same_output(hit: Answer, miss: Answer) -> None:
+# Requests served together decode in one batch, which bf16 rounds otherwise
+# than one request alone: up to 0.06 seen in a burst of four. KV of another
+# prompt changes the tokens and moves logprobs by about 2.5 (measured in
+# test_before_update_states_e2e.py).
+BATCH_NOISE = 0.2
+
+
+def assert_same_output(hit: Answer, miss: Answer, noise: float = 1e-2) -> None:
     assert hit.token_ids == miss.token_ids
     # A hit prefills fewer tokens in one step, so kernels split the work
     # differently: bf16 noise, far below any real difference.
-    assert hit.logprobs == pytest.approx(miss.logprobs, abs=1e-2)
+    assert hit.logprobs == pytest.approx(miss.logprobs, abs=noise)
 
 
 def repeats_at_once(engine: Engine, texts: list[str]) -> dict[str, float]:
@@ -202,7 +209,8 @@ def repeats_at_once(engine: Engine, texts: list[str]) -> dict[str, float]:
     for hit, miss in zip(hits, misses, strict=True):
         assert miss.cached_tokens == 0
         assert hit.cached_tokens == 2 * BLOCK
-        assert_same_output(hit, miss)
+        # The misses ran alone, the hits together.
+        assert_same_output(hit, miss, noise=BATCH_NOISE)
     grew = {name: value - before.get(name, 0.0) for name, value in after.items()}
     grew["vllm:kvlc_store_leases_open"] = after["vllm:kvlc_store_leases_open"]
     return grew
