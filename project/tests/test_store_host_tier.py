@@ -115,6 +115,21 @@ def test_least_recently_used_unpinned_slot_is_reused_first():
     tier.unpin(held)
 
 
+def test_a_slot_pinned_twice_is_free_only_after_both_unpin():
+    """Two users of one slot (a load copying a chunk out while another load
+    of the same key pins it too), unpinned in one batch or apart: the slot
+    is reusable only once neither holds it."""
+    tier = HostTier(8, 1, pin=False, cache=True)
+    a, b = tier.reserve(2, wait=False)
+    tier.publish("a", a)
+    tier.unpin([a, b])  # b holds no chunk: free again
+    assert tier.pin_cached(["a", "a"]) == [a, a]
+    tier.unpin([a])
+    assert a not in tier.reserve(2, wait=False) + tier.reserve(2, wait=False)
+    tier.unpin([a])
+    assert tier._pins[a] == 0 and tier.pin_cached(["a"]) == [a]
+
+
 def test_unpublished_slot_is_free_again_and_a_waiter_gets_it():
     tier = HostTier(8, 1, pin=False, cache=False)
     taken = [tier.reserve(2, wait=False) for _ in range(4)]
