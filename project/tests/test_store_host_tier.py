@@ -115,6 +115,25 @@ def test_least_recently_used_unpinned_slot_is_reused_first():
     tier.unpin(held)
 
 
+def test_a_slot_pinned_twice_is_free_only_after_both_unpin():
+    """Two loads copy one chunk out of its slot while a save publishes the
+    key in another slot: the old slot is handed out again only once both
+    loads unpinned it."""
+    tier = HostTier(8, 1, pin=False, cache=True)
+    a, b = tier.reserve(2, wait=False)
+    tier.publish("k", a)
+    tier.unpin([a, b])
+    assert tier.pin_cached(["k", "k"]) == [a, a]
+    (c,) = tier.reserve(1, wait=False)
+    tier.publish("k", c)
+    tier.unpin([c])
+    tier.unpin([a])
+    taken = [s for _ in range(4) for s in tier.reserve(2, wait=False)]
+    assert a not in taken and len(taken) == 7  # every other slot
+    tier.unpin([a])
+    assert tier.reserve(2, wait=False) == [a]
+
+
 def test_unpublished_slot_is_free_again_and_a_waiter_gets_it():
     tier = HostTier(8, 1, pin=False, cache=False)
     taken = [tier.reserve(2, wait=False) for _ in range(4)]

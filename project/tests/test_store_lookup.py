@@ -276,3 +276,43 @@ def test_what_a_process_knows_stored_is_bounded(
         scheduler.abort(offer)
         assert work.exists >= 8
     assert len(core.backend._known) <= 8
+
+
+def test_a_repeated_hit_formats_no_chunk_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The keys of blocks this server loaded are kept with them: the next
+    lookup of the prompt takes them from memory instead of formatting one
+    string per chunk."""
+    core, scheduler = make(tmp_path)
+    req = request(8 * BLOCK + 1)
+    store(core, req, list(range(8)), ranks=(0,))
+    offer = scheduler.offer(req, 0)
+    assert offer is not None
+    scheduler.commit(req, list(range(9)), offer, offer.num_tokens)
+    formatted: list[bytes] = []
+    keys_of = core.keys_of
+
+    def counting_keys_of(block_hashes: Sequence[bytes]) -> list[list[str]]:
+        formatted.extend(block_hashes)
+        return keys_of(block_hashes)
+
+    monkeypatch.setattr(core, "keys_of", counting_keys_of)
+    again = scheduler.offer(request(8 * BLOCK + 1, name="r2"), 0)
+    assert again is not None and again.keys == offer.keys
+    assert formatted == []
+
+
+def test_keys_kept_in_memory_follow_the_kv_layout(tmp_path: Path):
+    """Once the workers name their KV layout, chunk keys carry it: the keys
+    a scheduler kept from before are not used, so chunks stored under
+    another layout's keys are a miss, not a hit."""
+    core, scheduler = make(tmp_path, verify=False)
+    req = request(4 * BLOCK + 1)
+    store(core, req, [0, 1, 2, 3], ranks=(0,))
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 4 * BLOCK
+    scheduler.commit(req, list(range(5)), offer, offer.num_tokens)
+
+    core.set_kv_layout("f" * 16)
+    assert scheduler.offer(request(4 * BLOCK + 1, name="r2"), 0) is None

@@ -212,6 +212,22 @@ def test_lease_protects_from_eviction_until_released(make_backend):
     assert b.get(key(0)) is None and b.get(key(1)) is None
 
 
+def test_a_lease_released_rank_by_rank_keeps_the_other_ranks(tmp_path: Path):
+    """A lease of two TP ranks' chunks, released by each rank's worker:
+    the first release leaves the other rank's chunks leased, the second
+    removes the lease record."""
+    b = DirectoryBackend(tmp_path, 10**6)
+    keys = [key(i)[:-1] + str(r) for i in range(3) for r in (0, 1)]
+    for k in keys:
+        b.put(k, bytes(10))
+    lease = new_lease_id()
+    assert b.lease(keys, lease, ttl_s=60) == 6
+    b.release(keys[0::2], lease)
+    assert b._protected_keys(time.time()) == set(keys[1::2])
+    b.release(keys[1::2], lease)
+    assert not (tmp_path / "leases" / lease).exists()
+
+
 def test_expired_lease_no_longer_protects(make_backend):
     b = make_backend()
     b.put(key(0), bytes(4000))

@@ -80,9 +80,14 @@ class SchedulerSide:
         self.async_saves = False
         self._sending: set[str] = set()  # requests with such saves planned
         # Block hashes whose save this server planned, or which it loaded,
-        # most recent last: a block vLLM's prefix cache serves again is not
-        # saved again (a copy and a digest for a chunk the store holds).
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # with their chunk keys, most recent last: a block vLLM's prefix
+        # cache serves again is not saved again (a copy and a digest for a
+        # chunk the store holds), and a repeated lookup takes its keys from
+        # here instead of formatting 2,048 of them. Under the key prefix
+        # ``_known_prefix``: chunks saved under another KV layout's keys are
+        # not saved under the new ones.
+        self._known: OrderedDict[bytes, list[str]] = OrderedDict()
+        self._known_prefix = core.key_prefix
         self._known_blocks = known_blocks
         # Chunk keys whose headers a lookup checked, under the store
         # generation and KV layout ``_checked_at``
@@ -118,7 +123,7 @@ class SchedulerSide:
         end = min(len(request.block_hashes), request.num_tokens // bs)
         if min(end * bs, request.num_tokens - 1) <= num_computed_tokens:
             return None
-        per_block = core.keys_of(request.block_hashes[start:end])
+        per_block = self._keys_of(request.block_hashes[start:end])
         flat = list(chain.from_iterable(per_block))
         usable = core.usable_run(flat) // core.tp_size
         per_block, flat = per_block[:usable], flat[: usable * core.tp_size]
@@ -134,7 +139,9 @@ class SchedulerSide:
             core.available()
         num_blocks = n // core.tp_size
         if core.config.verify_on_lookup:
-            num_blocks = self._checked_prefix(per_block[:num_blocks])
+            num_blocks = self._checked_prefix(
+                per_block[:num_blocks], flat[: num_blocks * core.tp_size]
+            )
         leased = flat[:n]
         if num_blocks == 0:
             if leased:
@@ -149,7 +156,32 @@ class SchedulerSide:
         core.stats.inc("lookup_hit_tokens", num_tokens)
         return Offer(lease_id, start, per_block[:num_blocks], num_tokens)
 
-    def _checked_prefix(self, per_block: Sequence[Sequence[str]]) -> int:
+    def _keys_of(self, block_hashes: Sequence[bytes]) -> list[list[str]]:
+        """``StoreCore.keys_of``, taken from ``_known`` for the blocks this
+        server saved or loaded (a repeated hit: no key formatted)."""
+        known = self._known_now()
+        per_block: list[list[str] | None] = list(map(known.get, block_hashes))
+        if None not in per_block:
+            return per_block  # type: ignore[return-value]
+        missing = [i for i, keys in enumerate(per_block) if keys is None]
+        built = self._core.keys_of([block_hashes[i] for i in missing])
+        for i, keys in zip(missing, built, strict=True):
+            per_block[i] = keys
+        return per_block  # type: ignore[return-value]
+
+    def _known_now(self) -> OrderedDict[bytes, list[str]]:
+        """``_known``, forgotten if the chunk keys changed since
+        (``StoreCore.set_kv_layout``)."""
+        if self._known_prefix != self._core.key_prefix:
+            self._known.clear()
+            self._known_prefix = self._core.key_prefix
+        return self._known
+
+    def _checked_prefix(
+        self,
+        per_block: Sequence[Sequence[str]],
+        flat: Sequence[str] | None = None,
+    ) -> int:
         """How many leading blocks have every rank's chunk stored, whole
         (by its length) and ours (by its header): reads headers only, in
         one store round trip where the backend can.
@@ -171,7 +203,8 @@ class SchedulerSide:
             self._checked.clear()
             self._checked_at = checked_at
         checked = self._checked
-        flat = list(chain.from_iterable(per_block))
+        if flat is None:
+            flat = list(chain.from_iterable(per_block))
         if checked.issuperset(flat):
             return len(per_block)
         todo = [i for i, key in enumerate(flat) if key not in checked]
@@ -229,16 +262,14 @@ class SchedulerSide:
         )
         self._loaded_until[request.request_id] = first + num_blocks
         loaded = request.block_hashes[first : first + num_blocks]
-        self._remember(loaded)
+        self._remember(loaded, keys)
         if self.lazy is not None:
             for block_hash in loaded:
                 self.lazy.mark_stored(bytes(block_hash))
         core.stats.inc("loaded_tokens", min(accepted, offer.num_tokens))
 
     def abort(self, offer: Offer) -> None:
-        self._core.release(
-            offer.lease_id, (k for ks in offer.keys for k in ks), count=True
-        )
+        self._core.release(offer.lease_id, chain.from_iterable(offer.keys), count=True)
 
     # Legacy pair (vLLM without the explicit lifecycle).
 
@@ -300,17 +331,19 @@ class SchedulerSide:
             block_ids: list[int] | None = None
             if done > saved and self.lazy is None and not core.backend.read_only:
                 block_ids = self.block_ids(req_id)
+                known = self._known_now()
                 for i in range(max(saved, 0), min(done, len(block_ids))):
                     if i < loaded:
                         continue  # Read from the store: already there.
-                    if i < served and request.block_hashes[i] in self._known:
-                        self._known.move_to_end(request.block_hashes[i])
+                    if i < served and request.block_hashes[i] in known:
+                        known.move_to_end(request.block_hashes[i])
                         continue
-                    self._remember([request.block_hashes[i]])
+                    keys = core.keys(request.block_hashes[i])
+                    self._remember([request.block_hashes[i]], [keys])
                     meta.saves.append(
                         SaveSpec(
                             block_ids[i],
-                            core.keys(request.block_hashes[i]),
+                            keys,
                             req_id=req_id if self.async_saves else None,
                         )
                     )
@@ -354,11 +387,13 @@ class SchedulerSide:
             )
         return meta
 
-    def _remember(self, block_hashes: Sequence[bytes]) -> None:
-        """The blocks of ``block_hashes`` are saved (planned) or loaded by
-        this server: the most recent now."""
-        known = self._known
-        known.update(dict.fromkeys(block_hashes))
+    def _remember(
+        self, block_hashes: Sequence[bytes], keys: Sequence[list[str]]
+    ) -> None:
+        """The blocks of ``block_hashes`` (chunk keys ``keys``) are saved
+        (planned) or loaded by this server: the most recent now."""
+        known = self._known_now()
+        known.update(zip(block_hashes, keys, strict=True))
         # In C: a 32k-token hit remembers 2,048 blocks on the critical path.
         deque(map(known.move_to_end, block_hashes), maxlen=0)
         while len(known) > self._known_blocks:

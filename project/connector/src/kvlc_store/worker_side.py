@@ -17,6 +17,7 @@ from the store instead.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -299,7 +300,11 @@ class WorkerSide:
                 batch_ids = list(block_ids[i : i + tier.max_batch])
                 batch_keys = list(keys[i : i + tier.max_batch])
                 slots = tier.pin_cached(batch_keys)
-                misses = [j for j, slot in enumerate(slots) if slot is None]
+                misses = (
+                    [j for j, slot in enumerate(slots) if slot is None]
+                    if None in slots
+                    else []
+                )
                 fresh = tier.reserve(len(misses), wait=not held) if misses else []
                 if len(fresh) < len(misses):
                     # Cut before the first chunk without a slot; with none
@@ -476,7 +481,7 @@ class WorkerSide:
         ``cancelled()`` (the request finished while it loaded)."""
         core = self._core
         rank = self.rank
-        keys = [keys[rank] for keys in spec.keys]
+        keys = list(map(operator.itemgetter(rank), spec.keys))
         done: set[int] = set()
         block_ids: Sequence[int] = spec.block_ids
         from_store = keys
