@@ -34,6 +34,7 @@ import operator
 import threading
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -98,20 +99,19 @@ class HostTier:
         slots = self._slots
         with self._cond:
             found = list(map(slots.get, keys))
-            held = (
-                keys
-                if None not in found
-                else [
+            held: Sequence[str]
+            if None in found:
+                held = [
                     key
                     for key, slot in zip(keys, found, strict=True)
                     if slot is not None
                 ]
-            )
+                pinned = [slot for slot in found if slot is not None]
+            else:
+                held, pinned = keys, cast("list[int]", found)
             # In C: a hot 32k-token hit pins 2,048 slots before its copy.
             deque(map(slots.move_to_end, held), maxlen=0)
-            self._pins.update(
-                found if held is keys else [slot for slot in found if slot is not None]
-            )
+            self._pins.update(pinned)
         return found
 
     def reserve(self, want: int, wait: bool) -> list[int]:

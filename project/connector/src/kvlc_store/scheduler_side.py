@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlc_store.backends import BackendUnavailable, new_lease_id
 from kvlc_store.backends.directory import KNOWN_CHUNKS
@@ -160,14 +160,15 @@ class SchedulerSide:
         """``StoreCore.keys_of``, taken from ``_known`` for the blocks this
         server saved or loaded (a repeated hit: no key formatted)."""
         known = self._known_now()
-        per_block: list[list[str] | None] = list(map(known.get, block_hashes))
-        if None not in per_block:
-            return per_block  # type: ignore[return-value]
-        missing = [i for i, keys in enumerate(per_block) if keys is None]
-        built = self._core.keys_of([block_hashes[i] for i in missing])
-        for i, keys in zip(missing, built, strict=True):
-            per_block[i] = keys
-        return per_block  # type: ignore[return-value]
+        found = list(map(known.get, block_hashes))
+        if None not in found:
+            return cast("list[list[str]]", found)
+        built = iter(
+            self._core.keys_of(
+                [h for h, keys in zip(block_hashes, found, strict=True) if keys is None]
+            )
+        )
+        return [keys if keys is not None else next(built) for keys in found]
 
     def _known_now(self) -> OrderedDict[bytes, list[str]]:
         """``_known``, forgotten if the chunk keys changed since
