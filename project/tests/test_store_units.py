@@ -14,6 +14,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvlc_store.backends import (
@@ -30,7 +31,8 @@ from kvlc_store.chunk import (
     decode_chunk,
     encode_chunk,
 )
-from kvlc_store.config import parse_config, parse_size
+from kvlc_store import backends
+from kvlc_store.config import STARTUP_PING_TIMEOUT_S, parse_config, parse_size
 from redis_server import RedisServer, free_port, running_redis
 
 IDENT = "ident0"
@@ -380,6 +382,36 @@ def test_config_unreachable_redis():
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ValueError, match=r"\['redis_url'\].*does not answer"):
         parse_config({"backend": "redis", "redis_url": url, "redis_timeout_s": 0.5})
+
+
+def test_config_startup_ping_outwaits_a_short_request_timeout(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+):
+    """A server is not refused because its Redis took longer than a
+    request's redis_timeout_s to answer the startup PING once."""
+    import redis
+
+    waits: list[float] = []
+
+    class Slow(backends.RedisBackend):
+        """Answers the PING after about a second."""
+
+        def __init__(self, *args: Any, timeout_s: float, **kwargs: Any) -> None:
+            super().__init__(*args, timeout_s=timeout_s, **kwargs)
+            self.wait = timeout_s
+
+        def ping(self) -> None:
+            waits.append(self.wait)
+            if self.wait < 1.0:
+                timeout = redis.exceptions.TimeoutError("Timeout reading from socket")
+                raise backends.BackendUnavailable(f"redis: {timeout}") from timeout
+            super().ping()
+
+    monkeypatch.setattr(backends, "RedisBackend", Slow)
+    parse_config(
+        {"backend": "redis", "redis_url": redis_server.url, "redis_timeout_s": 0.5}
+    )
+    assert waits == [STARTUP_PING_TIMEOUT_S]
 
 
 def test_config_reachable_redis(redis_server: RedisServer):

@@ -503,6 +503,10 @@ def check_vllm_config(config: StoreConfig, enable_prefix_caching: bool) -> None:
         )
 
 
+# How long the startup check waits for Redis's PING, at least.
+STARTUP_PING_TIMEOUT_S = 5.0
+
+
 def _check_redis(config: StoreConfig) -> str | None:
     """Why the store's Redis cannot be used, or None: it must answer a PING,
     and accept us (the password; not in protected mode)."""
@@ -517,7 +521,9 @@ def _check_redis(config: StoreConfig) -> str | None:
         config.redis_url,
         config.namespace,
         1,
-        timeout_s=config.redis_timeout_s,
+        # A Redis slow to answer once (a loaded host) is not a wrong URL; a
+        # request still gives up after redis_timeout_s.
+        timeout_s=max(config.redis_timeout_s, STARTUP_PING_TIMEOUT_S),
         password=redis_password(config),
     )
     try:
