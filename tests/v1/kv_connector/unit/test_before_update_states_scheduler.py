@@ -4,6 +4,8 @@
 the applied hits reported back (KVOutputAggregator, request and connector
 stats, with and without async scheduling) and the failed-load path."""
 
+from typing import Any
+
 import pytest
 
 from tests.v1.kv_connector.unit.test_before_update_states import (
@@ -18,6 +20,7 @@ from tests.v1.kv_connector.unit.utils import (
     create_scheduler,
     create_vllm_config,
 )
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.external_hits import (
     WorkerExternalHits,
@@ -26,16 +29,22 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 
-def test_failed_load_on_two_group_model_cannot_be_recomputed():
-    """Why the exclusion above is needed: on a model with two KV cache groups
-    the scheduler stops on any reported block-level load failure."""
-    vllm_config = create_vllm_config(
+def _mock_connector_config(**kwargs: Any) -> VllmConfig:
+    """A scheduler config with MockKVConnector, which reports no hit of its
+    own: the hits come from KVConnectorOutput.applied_external_hits."""
+    return create_vllm_config(
         kv_connector="MockKVConnector",
         kv_connector_module_path="tests.v1.kv_connector.unit.utils",
         kv_role="kv_both",
         kv_connector_extra_config=_extra_config(),
-        kv_load_failure_policy="recompute",
+        **kwargs,
     )
+
+
+def test_failed_load_on_two_group_model_cannot_be_recomputed():
+    """Why the exclusion above is needed: on a model with two KV cache groups
+    the scheduler stops on any reported block-level load failure."""
+    vllm_config = _mock_connector_config(kv_load_failure_policy="recompute")
     scheduler = create_scheduler(vllm_config)
     scheduler.kv_cache_config = _attention_groups(sliding_window=True)
     with pytest.raises(RuntimeError, match="multiple KV cache groups"):
@@ -55,13 +64,7 @@ def test_aggregator_carries_applied_hits():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_applied_hits_reach_request_stats(async_scheduling: bool):
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config=_extra_config(),
-        max_num_batched_tokens=64,
-    )
+    vllm_config = _mock_connector_config(max_num_batched_tokens=64)
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     scheduler = create_scheduler(vllm_config)
     request = create_request(num_tokens=100)
@@ -113,13 +116,8 @@ def test_failed_load_of_applied_hit_is_recomputed():
     """A block skipped by a worker-side hit that then fails to load is reported
     through invalid_block_ids, like a scheduler-side hit: the scheduler
     recomputes the request from that block and samples nothing this step."""
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config=_extra_config(),
-        max_num_batched_tokens=128,
-        kv_load_failure_policy="recompute",
+    vllm_config = _mock_connector_config(
+        max_num_batched_tokens=128, kv_load_failure_policy="recompute"
     )
     scheduler = create_scheduler(vllm_config)
     request = create_request(num_tokens=100)
@@ -168,13 +166,8 @@ def test_hits_whose_on_external_hits_applied_raised_fail_by_policy(
     the hit's first block as a load error: the scheduler recomputes the
     request from that block, or fails it, by kv_load_failure_policy."""
     _single_rank(monkeypatch)
-    vllm_config = create_vllm_config(
-        kv_connector="MockKVConnector",
-        kv_connector_module_path="tests.v1.kv_connector.unit.utils",
-        kv_role="kv_both",
-        kv_connector_extra_config=_extra_config(),
-        max_num_batched_tokens=40,
-        kv_load_failure_policy=policy,
+    vllm_config = _mock_connector_config(
+        max_num_batched_tokens=40, kv_load_failure_policy=policy
     )
     scheduler = create_scheduler(vllm_config)
     request = create_request(num_tokens=100)
