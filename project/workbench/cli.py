@@ -14,6 +14,7 @@ from workbench import (
     bundle,
     check,
     demo,
+    derive,
     devenv,
     export,
     materialize,
@@ -59,6 +60,19 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     for line in changes:
         print(line)
     print(f"refreshed from {_tree(args)}: {len(changes) or 'no'} file changes")
+    return 0
+
+
+def cmd_derive(args: argparse.Namespace) -> int:
+    tree = args.tree or derive.default_tree(args.root)
+    if args.refresh:
+        changes = derive.refresh(_stack(args), tree)
+        for line in changes:
+            print(line)
+        print(f"refreshed from {tree}: {len(changes) or 'no'} file changes")
+        return 0
+    head = derive.derive(_stack(args), tree, force=args.force)
+    print(f"derived {tree} (vLLM {upstream.NEXT_RELEASE}, HEAD {head[:12]})")
     return 0
 
 
@@ -259,6 +273,22 @@ def parser() -> argparse.ArgumentParser:
         cmd_prefix_check,
         "build every prefix of the stack and run its top entry's tests and "
         "upstream's tests of what it touches (./wb prefix-check --help)",
+    )
+    sp = add(
+        "derive",
+        cmd_derive,
+        f"build the stack on vLLM {upstream.NEXT_RELEASE} at "
+        f"build/vllm-{upstream.NEXT_RELEASE}: git's pick of each entry plus its "
+        f"patches/<entry>/on-{upstream.NEXT_RELEASE}.patch",
+    )
+    sp.add_argument("--tree", type=Path, help="default: build/vllm-<release>")
+    sp.add_argument(
+        "--force", action="store_true", help="discard edits not yet refreshed"
+    )
+    sp.add_argument(
+        "--refresh",
+        action="store_true",
+        help="write each entry's on-<release>.patch back from the tree's commits",
     )
     sp = add("build", cmd_build, "build the patched vLLM wheel")
     sp.add_argument("--out", type=Path, help="default: ROOT/dist")

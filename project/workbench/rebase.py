@@ -125,7 +125,7 @@ def conflict_hunks(path: str, text: str) -> list[ConflictHunk]:
     return hunks
 
 
-def _merge(repo: Path, head: str, entry_commit: str) -> tuple[str, bool, str]:
+def merge_entry(repo: Path, head: str, entry_commit: str) -> tuple[str, bool, str]:
     """Three-way merge of ``entry_commit`` onto ``head`` with the entry's parent
     as base: (result tree, clean, git's messages)."""
     parent = git_text(repo, "rev-parse", f"{entry_commit}^").strip()
@@ -148,12 +148,17 @@ def _merge(repo: Path, head: str, entry_commit: str) -> tuple[str, bool, str]:
     return tree, proc.returncode == 0, messages
 
 
-def commit_tree_of(repo: Path, tree: str, parent: str) -> str:
-    message = b"target\n"
-    return git(repo, "commit-tree", tree, "-p", parent, input=message).decode().strip()
+def commit_tree_of(
+    repo: Path, tree: str, parent: str, message: str = "target\n"
+) -> str:
+    return (
+        git(repo, "commit-tree", tree, "-p", parent, input=message.encode())
+        .decode()
+        .strip()
+    )
 
 
-def _conflicts(
+def take_entry_sides(
     repo: Path, tree: str, messages: str
 ) -> tuple[list[str], list[ConflictHunk], str]:
     """Git's conflict messages, the marker regions in the merged tree, and that
@@ -202,9 +207,9 @@ def assess(stack: Stack, target: Target, scratch: Path) -> list[EntryDrift]:
             for p in entry.owned
             if git_text(repo, "ls-tree", head, "--", p).strip()
         ]
-        tree, clean, messages = _merge(repo, head, commit)
+        tree, clean, messages = merge_entry(repo, head, commit)
         if not clean:
-            details, hunks, carried = _conflicts(repo, tree, messages)
+            details, hunks, carried = take_entry_sides(repo, tree, messages)
             drifts.append(EntryDrift(entry.name, "conflict", clashes + details, hunks))
             head = commit_tree_of(repo, carried, head)
             continue

