@@ -41,7 +41,9 @@ def test_demo_installs_what_it_serves_and_the_tests_add_the_rest(
     that installs nothing."""
     installs: list[list[str]] = []
     monkeypatch.setattr(
-        devenv, "_pip_install", lambda python, args, what, log: installs.append(args)
+        devenv,
+        "pip_install",
+        lambda python, args, what, log, env=None: installs.append(args),
     )
     monkeypatch.setattr(devenv.venv, "create", lambda *a, **k: None)
     monkeypatch.setattr(devenv, "_stack_digest", lambda root: "d1")

@@ -22,6 +22,7 @@ from workbench import (
     rebase,
     refresh,
     regress,
+    release_test,
     stack,
     syspkgs,
     testrun,
@@ -76,9 +77,18 @@ def cmd_derive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_release_test(args: argparse.Namespace) -> int:
+    return release_test.main(args.root, args.rest)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     out = args.out or args.root / "build" / "export"
-    for path in export.export(_stack(args), out, signoff=args.signoff):
+    if args.next_release:
+        out = args.out or args.root / "build" / f"export-{upstream.NEXT_RELEASE}"
+    exported = export.export(
+        _stack(args), out, signoff=args.signoff, next_release=args.next_release
+    )
+    for path in exported:
         print(f"exported {path}")
     return 0
 
@@ -255,6 +265,12 @@ def parser() -> argparse.ArgumentParser:
         help="the person who signs off every commit (DCO Signed-off-by; "
         f"default: ${export.SIGNOFF_ENV}; required)",
     )
+    sp.add_argument(
+        "--next-release",
+        action="store_true",
+        help=f"the PRs against vLLM {upstream.NEXT_RELEASE} (./wb derive's "
+        f"stack; default --out: ROOT/build/export-{upstream.NEXT_RELEASE})",
+    )
     sp = add(
         "check",
         cmd_check,
@@ -289,6 +305,14 @@ def parser() -> argparse.ArgumentParser:
         "--refresh",
         action="store_true",
         help="write each entry's on-<release>.patch back from the tree's commits",
+    )
+    add(
+        "release-test",
+        cmd_release_test,
+        f"the stack on vLLM {upstream.NEXT_RELEASE}, tested on CPU: make its "
+        "test environment (pure-Python install of the sdist), derive and install "
+        "the stack, import-check what it changes, run upstream's tests of it and "
+        "the stack's, against the recorded baseline (--record: record it)",
     )
     sp = add("build", cmd_build, "build the patched vLLM wheel")
     sp.add_argument("--out", type=Path, help="default: ROOT/dist")
@@ -365,7 +389,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 # These pass the arguments they do not know on to the tool they run.
-PASS_THROUGH = {"regress", "demo", "test", "bench", "prefix-check"}
+PASS_THROUGH = {"regress", "release-test", "demo", "test", "bench", "prefix-check"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,57 +89,69 @@ def _apply_delta(repo: Path, tree: str, delta: Path) -> tuple[str, str]:
 
 
 @contextmanager
-def _source_stack(stack: Stack, near: Path) -> Iterator[tuple[Path, list[str]]]:
-    """A scratch repository beside ``near`` (same file system: it may be moved
-    there) holding the pinned release's stack: (repo, the entry commits
-    bottom to top)."""
-    near.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=near.parent, prefix=f".{near.name}-") as tmp:
+def _source_stack(stack: Stack) -> Iterator[tuple[Path, list[str]]]:
+    """A scratch repository holding the pinned release's stack: (repo, the
+    entry commits bottom to top)."""
+    with tempfile.TemporaryDirectory(prefix="kvlc-derive-") as tmp:
         repo = Path(tmp) / "source"
         build_repo(stack, repo)
         commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
         yield repo, commits
 
 
+def build_derived(
+    stack: Stack, repo: Path, *, trailers: bool = True
+) -> tuple[str, list[str]]:
+    """Create ``repo`` (must not exist) holding the stack on ``NEXT_RELEASE``:
+    base commit, one commit per entry, checked out on branch ``stack``.
+
+    Returns the top commit and what needs a person: an entry that conflicts
+    and has no delta, or whose delta no longer applies, is committed as git's
+    pick alone (a conflict taken on the entry's side)."""
+    build_repo(stack, repo)
+    commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
+    head = _commit_release(repo, upstream.next_pristine_tree())
+    git(repo, "update-ref", BASE_REF, head)
+    unresolved: list[str] = []
+    for entry, commit in zip(stack.entries, commits, strict=True):
+        tree, conflicts = pick(repo, head, commit)
+        delta = stack.patches_dir / entry.name / release_delta()
+        note = ""
+        if delta.is_file():
+            tree, failure = _apply_delta(repo, tree, delta)
+            note = " (+ its delta)"
+            if failure:
+                unresolved += [f"{entry.name}: {delta.name} does not apply:", failure]
+        elif conflicts:
+            unresolved.append(f"{entry.name}: conflicts, and no {delta.name}:")
+            unresolved += conflicts
+        message = with_trailer(entry.message, entry.name) if trailers else entry.message
+        head = commit_tree_of(repo, tree, head, message)
+        print(f"  derived {entry.name}{note}")
+    git(repo, "update-ref", "refs/heads/stack", head)
+    git(repo, "update-ref", MATERIALIZED_REF, head)
+    git(repo, "checkout", "--quiet", "--force", "stack")
+    git(repo, "clean", "--quiet", "-fdx")
+    return head, unresolved
+
+
 def derive(stack: Stack, dest: Path, *, force: bool = False) -> str:
     """Build the stack on ``NEXT_RELEASE`` at ``dest``; return its top commit.
 
     The old ``dest`` is replaced only after the build, and not while it holds
-    edits ``--refresh`` has not written back (unless ``force``). An entry that
-    conflicts and has no delta, or whose delta no longer applies, is built
-    with git's pick alone (conflicts on the entry's side) and named in the
-    error raised once ``dest`` is in place, for a person to resolve there."""
+    edits ``--refresh`` has not written back (unless ``force``). What needs a
+    person (``build_derived``) is raised once ``dest`` is in place, to be
+    resolved there."""
     problem = unrefreshed_work(dest) if dest.exists() and not force else None
     if problem:
         raise WorkbenchError(
             f"{problem}\nRun ./wb derive --refresh to keep that work, or --force "
             "to discard it."
         )
-    release = upstream.next_pristine_tree()
-    unresolved: list[str] = []
-    with _source_stack(stack, dest) as (repo, commits):
-        head = _commit_release(repo, release)
-        git(repo, "update-ref", BASE_REF, head)
-        for entry, commit in zip(stack.entries, commits, strict=True):
-            tree, conflicts = pick(repo, head, commit)
-            delta = stack.patches_dir / entry.name / release_delta()
-            note = ""
-            if delta.is_file():
-                tree, failure = _apply_delta(repo, tree, delta)
-                note = " (+ its delta)"
-                if failure:
-                    unresolved.append(f"{entry.name}: {delta.name} does not apply:")
-                    unresolved.append(failure)
-            elif conflicts:
-                unresolved.append(f"{entry.name}: conflicts, and no {delta.name}:")
-                unresolved += conflicts
-            message = with_trailer(entry.message, entry.name)
-            head = commit_tree_of(repo, tree, head, message)
-            print(f"  derived {entry.name}{note}")
-        git(repo, "update-ref", "refs/heads/stack", head)
-        git(repo, "update-ref", MATERIALIZED_REF, head)
-        git(repo, "checkout", "--quiet", "--force", "stack")
-        git(repo, "clean", "--quiet", "-fdx")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
+        repo = Path(tmp) / "repo"
+        head, unresolved = build_derived(stack, repo)
         if dest.exists():
             shutil.rmtree(dest)
         repo.rename(dest)
@@ -177,7 +189,7 @@ def refresh(stack: Stack, dest: Path) -> list[str]:
             "reorder entries in build/vllm (./wb materialize), then derive again"
         )
     log: list[str] = []
-    with _source_stack(stack, dest) as (repo, commits):
+    with _source_stack(stack) as (repo, commits):
         git(repo, "fetch", "--quiet", str(dest.resolve()), f"HEAD:{DERIVED_REF}")
         base = f"{DERIVED_REF}~{len(commits)}"
         mine = git_text(repo, "rev-list", "--reverse", f"{base}..{DERIVED_REF}").split()

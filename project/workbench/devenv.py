@@ -8,11 +8,13 @@ tests twice does not rebuild the wheel twice.
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import subprocess
 import threading
 import time
 import venv
+from collections.abc import Mapping
 from pathlib import Path
 
 from workbench import upstream
@@ -82,7 +84,13 @@ def clip(text: str, limit: int = LINE_CHARS) -> str:
     return (text[:cut] if cut > 0 else text[: limit - 4]) + " ..."
 
 
-def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
+def pip_install(
+    python: Path,
+    args: list[str],
+    what: str,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """``pip install args`` with its progress shown and its full output in
     ``log``: what it collects, builds and installs, and every ``HEARTBEAT_S``
     seconds without a progress line, a line with the time so far and pip's
@@ -97,7 +105,11 @@ def _pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
     last_said = started
     with log.open("w") as out:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         assert proc.stdout is not None
         lines: queue.Queue[str | None] = queue.Queue()
@@ -167,7 +179,7 @@ def ensure(root: Path, demo_only: bool = False) -> Path:
     # The redis extra: hiredis, redis-py's fast reply parser.
     connector = ["-e", f"{root / CONNECTOR}[redis]"]
     if demo_only:
-        _pip_install(
+        pip_install(
             python,
             [str(root), *connector],
             "installing the patched vLLM (built from the release and patches/) "
@@ -175,7 +187,7 @@ def ensure(root: Path, demo_only: bool = False) -> Path:
             env_dir / "kvlc-pip-install.log",
         )
     else:
-        _pip_install(
+        pip_install(
             python,
             [
                 str(root),
@@ -191,7 +203,7 @@ def ensure(root: Path, demo_only: bool = False) -> Path:
             "the test requirements, the reference connector and kvlc-aibrix",
             env_dir / "kvlc-pip-install.log",
         )
-        _pip_install(
+        pip_install(
             python,
             ["--no-deps", "-r", str(root / AIBRIX_REQUIREMENTS)],
             "installing aibrix-kvcache without its declared dependencies",
@@ -226,7 +238,7 @@ def _side_env(env_dir: Path, state: str, packages: list[str], what: str) -> Path
     print(f"creating {env_dir} with {what}")
     venv.create(env_dir, with_pip=True, clear=True)
     pip = [str(python), "-m", "pip"]
-    _pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
+    pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
     _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
     _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
     marker.write_text(state)

@@ -27,7 +27,7 @@ from dataclasses import replace
 from email.utils import formataddr
 from pathlib import Path
 
-from workbench import upstream
+from workbench import derive, upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, IDENTITY, git, git_text
 from workbench.materialize import build_repo, init_base
@@ -134,6 +134,7 @@ def export(
     *,
     source: Path | None = None,
     signoff: str | None = None,
+    next_release: bool = False,
 ) -> list[Path]:
     """Write ``NNNN-<entry>.patch`` per entry into ``out_dir``; return the paths.
 
@@ -142,6 +143,8 @@ def export(
     before anything is built or written if there is no real identity.
     """
     identity = signoff_identity(signoff)
+    if next_release:
+        source = upstream.next_pristine_tree()
     source = source or upstream.pristine_tree()
     with tempfile.TemporaryDirectory(prefix="kvlc-export-") as tmp:
         stack = replace(
@@ -152,7 +155,16 @@ def export(
             ),
         )
         repo = Path(tmp) / "stack"
-        build_repo(stack, repo, source=source, trailers=False, link=True)
+        if next_release:
+            _, unresolved = derive.build_derived(stack, repo, trailers=False)
+            if unresolved:
+                raise WorkbenchError(
+                    f"the stack does not derive onto vLLM {upstream.NEXT_RELEASE} "
+                    "without a person (./wb derive says what):\n"
+                    + "\n".join(unresolved)
+                )
+        else:
+            build_repo(stack, repo, source=source, trailers=False, link=True)
         mails = [authored_by(mail, identity) for mail in format_patches(repo)]
         if len(mails) != len(stack.entries):
             raise WorkbenchError(

@@ -461,6 +461,12 @@ def _parser() -> argparse.ArgumentParser:
         help="test the stack: tests from a fresh materialized tree, plus the "
         "stack's own test files, which must pass",
     )
+    p.add_argument(
+        "--stack-tree",
+        type=Path,
+        help="as --stack, with the stack in this tree (./wb derive's) instead "
+        "of a freshly materialized one",
+    )
     p.add_argument("--baseline", type=Path, default=BASELINE)
     p.add_argument(
         "--record",
@@ -496,14 +502,16 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     selection = args.paths or list(FAST_SELECTION if args.fast else SELECTION)
     must_pass: list[str] = []
+    args.stack = args.stack or args.stack_tree is not None
     if args.stack:
         if args.tests_from or args.record:
             raise WorkbenchError(
                 "--stack takes its tests from the stack itself; "
                 "drop --tests-from / --record"
             )
-        tree = ROOT / STACK_TREE
-        materialize(stack.load(ROOT), tree, force=True)
+        tree = args.stack_tree or ROOT / STACK_TREE
+        if args.stack_tree is None:
+            materialize(stack.load(ROOT), tree, force=True)
         must_pass, changed = stack_test_files(ROOT)
         selection += [p for p in [*must_pass, *changed] if p not in selection]
         args.tests_from = tree

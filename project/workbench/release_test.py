@@ -1,0 +1,203 @@
+"""Release test: the stack on the newest release, tested on CPU without a wheel.
+
+No CPU wheel of vLLM ``NEXT_RELEASE`` exists, but its sdist installs as pure
+Python (``VLLM_TARGET_DEVICE=empty``: no compiled extensions), which runs
+upstream's scheduler and KV connector unit tests here. ``./wb release-test``:
+
+1. makes the environment once per machine (a venv in the workbench cache):
+   CPU torch, the release's build requirements, the pristine sdist installed
+   as pure Python, ``project/requirements-test.txt``. The release pins
+   ``torch==2.14.0``, which has no CPU build on the index; torch is held at
+   ``TORCH`` instead (a constraint), which its pure-Python code imports;
+2. derives the stack onto the release (``derive.py``, ``build/vllm-<release>``)
+   unless that tree holds edits not yet refreshed, which are then tested as
+   they are, and installs it over the pristine release (``+kvlc``);
+3. imports every module the stack changes, Model Runner V2's and
+   ``gpu_model_runner.py`` included: on CPU without compiled ops they can be
+   import-checked only, not run;
+4. runs ``SELECTION`` (upstream's tests of what the stack touches) and the
+   stack's own tests, judged by ``wb regress`` against
+   ``data/baseline-vllm-<release>-cpu.txt``: the tests that pass on the
+   unpatched release here. ``--record`` reinstalls the pristine release and
+   records that baseline instead.
+
+The stack's end-to-end tests (a served model) need the compiled CPU build and
+run on the pinned release only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import venv
+from collections.abc import Sequence
+from pathlib import Path
+
+from workbench import derive, devenv, regress, stack, upstream
+from workbench.build import LOCAL_LABEL
+from workbench.errors import WorkbenchError
+from workbench.materialize import unrefreshed_work
+
+RELEASE = upstream.NEXT_RELEASE
+TORCH = "torch==2.13.0+cpu"
+# What the release's pyproject.toml [build-system] needs to build without
+# isolation (cmake and ninja are for the compiled extensions it skips).
+BUILD_REQUIREMENTS = (
+    "packaging>=24.2",
+    "setuptools>=77.0.3,<81.0.0",
+    "setuptools-scm>=8.0",
+    "setuptools-rust>=1.9.0",
+    "wheel",
+    "jinja2",
+    "numpy",
+)
+BASELINE = (
+    Path(__file__).parent / "data" / f"baseline-vllm-{upstream.NEXT_RELEASE}-cpu.txt"
+)
+# Upstream's tests of the code the stack changes: the scheduler, the
+# connectors it migrates (MultiConnector, LMCache, SimpleCPUOffload), HMA
+# configuration, and the connector/scheduler interplay it touches.
+SELECTION = (
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/kv_connector/unit/test_multi_connector.py",
+    "tests/v1/kv_connector/unit/test_lmcache_connector.py",
+    "tests/v1/kv_connector/unit/test_hma_auto_config.py",
+    "tests/v1/kv_connector/unit/test_config.py",
+    "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+    "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+    "tests/v1/kv_connector/unit/test_error_propagation.py",
+    "tests/v1/simple_kv_offload",
+)
+# A module the stack changes imports on the release (checked before the tests).
+_IMPORT_CHECK = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(f"imported {len(sys.argv) - 1} modules the stack changes")
+"""
+
+
+def env_dir() -> Path:
+    return upstream.cache_dir() / f"venv-vllm-{RELEASE}"
+
+
+def _build_env(release_version: str) -> dict[str, str]:
+    # empty: no compiled extensions; the version is what regress reads to
+    # tell the stack's build from the pristine one.
+    return {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": release_version}
+
+
+def _env_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for part in (upstream.NEXT_SDIST.sha256, TORCH, *BUILD_REQUIREMENTS):
+        digest.update(part.encode() + b"\0")
+    digest.update((root / devenv.TEST_REQUIREMENTS).read_bytes())
+    return digest.hexdigest()
+
+
+def ensure_env(root: Path) -> Path:
+    """The release's test environment (made once per machine); its python."""
+    where = env_dir()
+    python = where / "bin" / "python"
+    marker = where / "kvlc-installed"
+    digest = _env_digest(root)
+    if marker.is_file() and marker.read_text() == digest:
+        print(f"{where}: vLLM {RELEASE} test environment is up to date")
+        return python
+    print(f"creating {where}")
+    venv.create(where, with_pip=True, clear=True)
+    log = where / "pip-install.log"
+    constraint = where / "torch-constraint.txt"
+    constraint.write_text(TORCH + "\n")
+    pin = ["-c", str(constraint)]
+    devenv.pip_install(
+        python,
+        [*pin, TORCH, *BUILD_REQUIREMENTS],
+        f"installing CPU torch ({TORCH}, not the release's pin) and the "
+        "release's build requirements",
+        log,
+    )
+    devenv.pip_install(
+        python,
+        [*pin, "--no-build-isolation", str(upstream.fetch(upstream.NEXT_SDIST))]
+        + ["-r", str(root / devenv.TEST_REQUIREMENTS)],
+        f"installing vLLM {RELEASE} from its sdist as pure Python, and the "
+        "test requirements",
+        log,
+        env=_build_env(RELEASE),
+    )
+    marker.write_text(digest)
+    return python
+
+
+def install_tree(python: Path, tree: Path, version: str) -> None:
+    """Install ``tree`` (a vLLM source tree) over the environment's vLLM."""
+    devenv.pip_install(
+        python,
+        ["--no-deps", "--no-build-isolation", "--force-reinstall", str(tree)],
+        f"installing {tree.name} as vLLM {version} (pure Python)",
+        env_dir() / "pip-install.log",
+        env=_build_env(version),
+    )
+
+
+def changed_modules(root: Path) -> list[str]:
+    """The vllm modules the stack adds or changes, as import names."""
+    paths = set()
+    for entry in stack.load(root).entries:
+        paths.update(stack.patch_files(entry.patch))
+        paths.update(entry.owned)
+    return sorted(
+        p.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for p in paths
+        if p.startswith("vllm/") and p.endswith(".py")
+    )
+
+
+def import_check(python: Path, modules: Sequence[str]) -> None:
+    """Import each module under ``python`` from a neutral directory."""
+    checked = subprocess.run(
+        [str(python), "-c", _IMPORT_CHECK, *modules],
+        cwd=env_dir(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if checked.returncode != 0:
+        raise WorkbenchError(
+            f"a module the stack changes does not import on vLLM {RELEASE}:\n"
+            + checked.stderr[-3000:]
+        )
+    print(checked.stdout.strip())
+
+
+def main(root: Path, argv: Sequence[str]) -> int:
+    """``wb release-test [--record] [regress options] [-- pytest args]``."""
+    argv = list(argv)
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        print("Options other than --record go to ./wb regress (./wb regress --help).")
+        return 0
+    options, extra = argv, []
+    if "--" in argv:
+        cut = argv.index("--")
+        options, extra = argv[:cut], argv[cut:]
+    python = ensure_env(root)
+    # A pure-Python vLLM detects no platform; the tests run on the CPU one.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    common = ["--python", str(python), "--baseline", str(BASELINE), *options]
+    selection = [*SELECTION, *extra]
+    if "--record" in options:
+        pristine = upstream.next_pristine_tree()
+        install_tree(python, pristine, RELEASE)
+        return regress.main([*common, "--tests-from", str(pristine), *selection])
+    tree = derive.default_tree(root)
+    if tree.exists() and unrefreshed_work(tree):
+        print(f"testing {tree} as it is: it holds edits not yet refreshed")
+    else:
+        derive.derive(stack.load(root), tree, force=True)
+    install_tree(python, tree, f"{RELEASE}+{LOCAL_LABEL}")
+    import_check(python, changed_modules(root))
+    return regress.main([*common, "--stack-tree", str(tree), *selection])
