@@ -201,6 +201,7 @@ def ensure_prefix_env(prefix: Stack, where: Path, deps_python: Path) -> Path:
 
 
 Builder = Callable[[Stack, Path], Path]
+TreeMaker = Callable[[Stack, Path], object]
 Runner = Callable[[Path, Path, list[str], Path], dict[str, str]]
 
 
@@ -219,8 +220,12 @@ def check_prefixes(
     builder: Builder,
     runner: Runner = _run_tests,
     baseline: set[str] | None = None,
+    make_tree: TreeMaker = lambda prefix, tree: materialize(prefix, tree, force=True),
+    prefix_dir: Path = PREFIX_DIR,
 ) -> list[PrefixResult]:
-    """Build and test every prefix (or those ending at an entry in ``only``)."""
+    """Build and test every prefix (or those ending at an entry in ``only``),
+    each in the tree ``make_tree`` makes (default: materialized on the pinned
+    release), under ``root / prefix_dir``."""
     unknown = set(only) - {e.name for e in stack.entries}
     if unknown:
         raise WorkbenchError(
@@ -234,10 +239,10 @@ def check_prefixes(
         if only and entry.name not in only:
             continue
         prefix = replace(stack, entries=stack.entries[:index])
-        where = root / PREFIX_DIR / f"{index:02d}-{entry.name}"
+        where = root / prefix_dir / f"{index:02d}-{entry.name}"
         tree = where / "tree"
         print(f"=== prefix {index}: {entry.name}", flush=True)
-        materialize(prefix, tree, force=True)
+        make_tree(prefix, tree)
         prefix_plan = plan(prefix, index, tree, scope)
         result = PrefixResult(prefix_plan)
         try:
@@ -281,6 +286,11 @@ def main(stack: Stack, root: Path, argv: Sequence[str]) -> int:
         scope=scope,
         builder=lambda prefix, where: ensure_prefix_env(prefix, where, deps_python),
     )
+    return report(results)
+
+
+def report(results: Sequence[PrefixResult]) -> int:
+    """Print one line per prefix and its regressions; the exit status."""
     print("=== prefix check, per entry")
     for result in results:
         print(result.line())

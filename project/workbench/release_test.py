@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 import venv
 from collections.abc import Sequence
 from pathlib import Path
 
-from workbench import derive, devenv, regress, stack, upstream
+from workbench import derive, devenv, prefixes, regress, stack, upstream
 from workbench.build import LOCAL_LABEL
 from workbench.errors import WorkbenchError
 from workbench.materialize import unrefreshed_work
@@ -132,15 +134,24 @@ def ensure_env(root: Path) -> Path:
     return python
 
 
-def install_tree(python: Path, tree: Path, version: str) -> None:
-    """Install ``tree`` (a vLLM source tree) over the environment's vLLM."""
-    devenv.pip_install(
-        python,
-        ["--no-deps", "--no-build-isolation", "--force-reinstall", str(tree)],
-        f"installing {tree.name} as vLLM {version} (pure Python)",
-        env_dir() / "pip-install.log",
-        env=_build_env(version),
-    )
+def install_tree(
+    python: Path, tree: Path, version: str, target: Path | None = None
+) -> None:
+    """Install ``tree`` (a vLLM source tree) over the environment's vLLM, or
+    into ``target`` (a site-packages directory) alone."""
+    # pip builds a directory in place, and the build rewrites vllm/_version.py
+    # and the egg-info: a copy keeps the tree (a git work tree) as it was.
+    with tempfile.TemporaryDirectory(prefix="kvlc-release-") as tmp:
+        source = Path(tmp) / tree.name
+        shutil.copytree(tree, source, ignore=shutil.ignore_patterns(".git"))
+        where = ["--force-reinstall"] if target is None else ["--target", str(target)]
+        devenv.pip_install(
+            python,
+            ["--no-deps", "--no-build-isolation", *where, str(source)],
+            f"installing {tree} as vLLM {version} (pure Python)",
+            env_dir() / "pip-install.log",
+            env=_build_env(version),
+        )
 
 
 def changed_modules(root: Path) -> list[str]:
@@ -173,8 +184,46 @@ def import_check(python: Path, modules: Sequence[str]) -> None:
     print(checked.stdout.strip())
 
 
+def prefix_builder(python: Path) -> prefixes.Builder:
+    """Install a prefix's derived tree into its own environment over
+    ``python``'s packages (as ``prefixes.ensure_prefix_env`` does on the
+    pinned release)."""
+
+    def build(prefix: stack.Stack, where: Path) -> Path:
+        env = where / "venv"
+        subprocess.run(
+            [str(python), "-m", "venv", "--clear", "--without-pip", str(env)],
+            check=True,
+        )
+        target = prefixes.site_packages(env / "bin" / "python")
+        install_tree(python, where / "tree", f"{RELEASE}+{LOCAL_LABEL}", target)
+        # After the environment's own site-packages: its vllm shadows the
+        # release environment's.
+        (target / "kvlc-deps.pth").write_text(f"{prefixes.site_packages(python)}\n")
+        return env / "bin" / "python"
+
+    return build
+
+
+def check_prefixes(root: Path, python: Path) -> int:
+    """Every prefix of the stack derived onto the release, installed, and its
+    top entry's tests and upstream's tests of what it touches run."""
+    results = prefixes.check_prefixes(
+        stack.load(root),
+        root,
+        scope=SELECTION,
+        builder=prefix_builder(python),
+        baseline=regress.read_baseline(BASELINE),
+        make_tree=lambda prefix, tree: derive.derive(prefix, tree, force=True),
+        prefix_dir=Path("build") / f"prefix-{RELEASE}",
+    )
+    return prefixes.report(results)
+
+
 def main(root: Path, argv: Sequence[str]) -> int:
-    """``wb release-test [--record] [regress options] [-- pytest args]``."""
+    """``wb release-test [--record | --prefixes] [regress options] [-- pytest
+    args]``. ``--prefixes``: each prefix of the stack, as ``wb prefix-check``
+    does on the pinned release."""
     argv = list(argv)
     if {"-h", "--help"} & set(argv):
         print(__doc__)
@@ -189,6 +238,8 @@ def main(root: Path, argv: Sequence[str]) -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     common = ["--python", str(python), "--baseline", str(BASELINE), *options]
     selection = [*SELECTION, *extra]
+    if "--prefixes" in options:
+        return check_prefixes(root, python)
     if "--record" in options:
         pristine = upstream.next_pristine_tree()
         install_tree(python, pristine, RELEASE)
