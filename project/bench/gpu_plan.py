@@ -314,7 +314,7 @@ def summarize(out: Path) -> str:
         + (" (--tiny, CPU)" if plan["tiny"] else ""),
         "",
         f"Machine: {plan['machine']}",
-        f"Time plan: {plan['total_s']} s estimated of a {plan['budget_s']:.0f} s budget.",
+        f"Time plan: {plan['total_s']} s estimated, budget {plan['budget_s']:.0f} s.",
         "",
         "| process | runner | L | figure | s (best) | vs recompute | cached "
         "| tokens from host tier | tokens from store | pid |",
@@ -356,7 +356,7 @@ def summarize(out: Path) -> str:
         if end is None:
             why = "no result: the run ended (killed or timed out) before it"
         elif end["rc"] == "timeout":
-            why = f"timeout: the process was stopped at the budget after {end['wall_s']} s"
+            why = f"timeout: stopped at the budget after {end['wall_s']} s"
         else:
             why = f"process exited rc={end['rc']} before it (see processes.log)"
         missed.append({"step": step["step"], "reason": why})

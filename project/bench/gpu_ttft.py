@@ -325,7 +325,7 @@ def main() -> int:
     p.add_argument("--plan-only", action="store_true",
                    help="print the time plan and exit")  # fmt: skip
     p.add_argument("--summarize", type=Path, metavar="DIR",
-                   help="rebuild DIR/summary.md from its plan.json and results.jsonl")  # fmt: skip
+                   help="rebuild DIR/summary.md from DIR/results.jsonl")  # fmt: skip
     args = p.parse_args()
     if args.summarize:
         text = summarize(args.summarize)
