@@ -348,6 +348,8 @@ def summarize(out: Path) -> str:
             why = "no result: the run ended (killed or timed out) before it"
         elif end["rc"] == "timeout":
             why = f"timeout: stopped at the budget after {end['wall_s']} s"
+        elif isinstance(end["rc"], str):
+            why = end["rc"]
         else:
             why = f"process exited rc={end['rc']} before it (see processes.log)"
         missed.append({"step": step["step"], "reason": why})

@@ -366,14 +366,17 @@ def main() -> int:
             log.write(f"\n===== {proc.name}: {json.dumps(spec)}\n")
             log.flush()
             t = time.monotonic()
-            try:
-                rc: int | str = subprocess.run(
-                    [sys.executable, __file__, "--child", json.dumps(spec)],
-                    stdout=log, stderr=subprocess.STDOUT,
-                    timeout=max(1.0, deadline - time.monotonic()), check=False,
-                ).returncode  # fmt: skip
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            left = deadline - t
+            rc: int | str = "not started: out of time"
+            if left >= 5:
+                try:
+                    rc = subprocess.run(
+                        [sys.executable, __file__, "--child", json.dumps(spec)],
+                        stdout=log, stderr=subprocess.STDOUT, timeout=left,
+                        check=False,
+                    ).returncode  # fmt: skip
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
             wall = round(time.monotonic() - t, 1)
             append(results, {"process": proc.name, "event": "exit", "rc": rc,
                              "wall_s": wall})  # fmt: skip

@@ -120,6 +120,7 @@ def test_summarize_rebuilds_the_table_from_a_partial_results_file(
         {**measured, "process": "store", "figure": "first request", "s": 0.2},
         {**measured, "process": "store", "figure": "hot hit", "s": 0.05,
          "cached": SHORT - 1, "counters": {"host_tier_loaded_tokens": SHORT}},
+        {"process": "store-cold", "event": "exit", "rc": "timeout", "wall_s": 3.0},
     ]  # fmt: skip
     text = "".join(json.dumps(line) + "\n" for line in lines) + '{"process": "st'
     (tmp_path / "results.jsonl").write_text(text)
@@ -133,8 +134,9 @@ def test_summarize_rebuilds_the_table_from_a_partial_results_file(
     missed = summary.split("Missed:")[1]
     assert f"| recompute@{LONG} | process exited rc=0 before it" in missed
     assert f"| store@{SHORT} |" not in missed
-    for step in (f"store@{LONG}", "store@greedy", f"store-cold@{SHORT}"):
+    for step in (f"store@{LONG}", "store@greedy"):
         assert f"| {step} | no result: the run ended" in missed
+    assert f"| store-cold@{SHORT} | timeout: stopped at the budget" in missed
     assert f"| offload@{SHORT} | not on CPU" in missed
 
 
@@ -205,6 +207,7 @@ def test_a_killed_run_keeps_its_figures(tmp_path: Path, no_vllm: dict[str, str])
     proc = subprocess.Popen(
         [sys.executable, str(BENCH), "--tiny", "--out", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # its store, left by the kill
     )  # fmt: skip
     deadline = time.monotonic() + 120
     try:
