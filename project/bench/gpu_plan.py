@@ -275,10 +275,6 @@ def read_results(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(x: float | None, unit: str = " s") -> str:
-    return "-" if x is None else f"{x:.3f}{unit}"
-
-
 def summarize(out: Path) -> str:
     """The markdown summary of ``out``'s plan.json and results.jsonl, as
     far as they go; every planned figure not there is listed as missed."""
@@ -305,7 +301,8 @@ def summarize(out: Path) -> str:
         + (" (--tiny, CPU)" if plan["tiny"] else ""),
         "",
         f"Machine: {plan['machine']}",
-        f"Time plan: {plan['total_s']} s estimated, budget {plan['budget_s']:.0f} s.",
+        f"Time plan: {plan['total_s']} s estimated, budget {plan['budget_s']:.0f} s; "
+        f"the processes took {sum(e['wall_s'] for e in exits.values()):.1f} s.",
         "",
         "| process | runner | L | figure | s (best) | vs recompute | cached "
         "| tokens from host tier | tokens from store | pid |",
@@ -329,7 +326,7 @@ def summarize(out: Path) -> str:
             ratio = f"{r['s'] / base:.2f}x" if base and figure != "recompute" else ""
             c = r.get("counters", {})
             lines.append(
-                f"| {name} | {runner} | {length} | {figure} | {_fmt(r['s'])} | {ratio} "
+                f"| {name} | {runner} | {length} | {figure} | {r['s']:.3f} s | {ratio} "
                 f"| {r['cached']} | {c.get('host_tier_loaded_tokens', '')} "
                 f"| {c.get('store_loaded_tokens', '')} | {r['pid']} |"
             )
