@@ -1,29 +1,32 @@
-"""TTFT of a repeated prompt on a GPU: recompute, vLLM's resident hit, and
-each external KV cache's hit and first request, with a check of the answer.
+"""TTFT of a repeated prompt on a GPU, in one call of a lent machine:
+recompute, OffloadingConnector's hit, StoreConnector's first request, its
+hot hit (host tier) and its cold hit (a second, fresh process on the same
+store), and a greedy check of the hit's answer.
 
 Needs a CUDA machine with the patched vLLM and the reference connector
 installed; no network (the model is a Llama-3.1-8B-shaped config with
 vLLM's dummy weights, re-initialised like a fresh checkpoint and seeded, so
 every process serves the same model and answers depend on the context).
 
-Each configuration runs in its own process (offline ``LLM`` API, engine in
-process), one after another, so no two share the GPU while timed. Per
-prompt length ``L``: an unrelated warm-up prompt of the same length, the
-first request of prompt A (``max_tokens=1``; with a connector it also
-saves), ``--repeats`` repeats of A with vLLM's prefix cache reset before
-each (a hit can only come from the connector; the first may race the saves
-of the first request, so the table takes the best), two resident repeats
-(vLLM's own prefix cache), then a 16-token greedy answer to A and to a
-control A' whose first half differs. Every configuration's answer must
-equal OffloadingConnector's (vLLM's own CPU tier) and differ from the
-control's: a wrong KV shows.
+    python project/bench/gpu_ttft.py --out results/            # plan 1
+    python project/bench/gpu_ttft.py --plan 2 --out results/   # V1, graphs, load_async
+    python project/bench/gpu_ttft.py --plan-only               # the time plan alone
+    python project/bench/gpu_ttft.py --summarize results/      # summary.md again
 
-    python project/bench/gpu_ttft.py --out results/   # all configurations
-    python project/bench/gpu_ttft.py --configs v2-none,v2-store --lengths 4096
+Plan 1 runs on Model Runner V2 at 4k and 32k tokens: recompute (no
+connector), OffloadingConnector, StoreConnector (first request, hot hit),
+then StoreConnector again in a fresh process on the first one's store (cold
+hit). Plan 2: V1, CUDA graphs and ``load_async``. The time plan is printed
+before any engine starts, and steps that would not fit ``--budget-s`` are
+trimmed, least important first (``gpu_plan.py``). Each configuration runs
+in its own process (offline ``LLM`` API, engine in process), one after
+another. Per length: an unrelated warm-up prompt, then the prompt; vLLM's
+prefix cache is reset before each timed request that must not hit it.
 
-Writes ``gpu_ttft.json`` (every figure) and ``gpu_ttft.md`` (the table, with
-the machine line) to ``--out``. ``--budget-s`` skips what would not finish
-in time (a lent GPU machine is short); what was skipped is listed.
+Each figure is appended to ``results.jsonl`` by the process that measured
+it, flushed to disk at once: a run stopped at any point keeps every figure
+so far, and ``--summarize`` builds the table from them. ``--out`` holds
+``plan.json``, ``results.jsonl``, ``summary.md`` and ``processes.log``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from gpu_plan import GREEDY, TOKENS, make_plan, render_plan, summarize
 
 LLAMA_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -77,67 +82,35 @@ TINY = {
 GiB = 2**30
 
 
-def offloading(cpu_gib: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_gib * GiB},
+def connector(kind: str, store_dir: str, cuda: bool) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of a process's connector."""
+    if kind == "none":
+        return None
+    if kind == "offload":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 16 * GiB},
+        }
+    extra: dict[str, Any] = {
+        "path": store_dir,
+        "capacity": "48GiB",
+        "host_tier": "16GiB",
     }
-
-
-def store(path: str, cuda: bool, **extra: Any) -> dict[str, Any]:
+    if kind == "store-async":
+        extra["load_async"] = True
+    elif kind != "store":
+        raise ValueError(f"unknown connector {kind!r}")
     config = {
         "kv_connector": "StoreConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"path": path, "capacity": "48GiB", **extra},
+        "kv_connector_extra_config": extra,
     }
     if not cuda:  # --tiny: the GPU path over host memory (gpu_path_on_cpu.py)
         config["kv_connector"] = "BatchedStoreConnector"
         config["kv_connector_module_path"] = "gpu_path_on_cpu"
     return config
-
-
-def connector(kind: str, store_dir: str, cuda: bool) -> dict[str, Any] | None:
-    """The ``--kv-transfer-config`` of a configuration's connector."""
-    if kind == "none":
-        return None
-    if kind == "offload":
-        return offloading(16)
-    if kind == "store":  # the host tier holds the hit: one copy over the link
-        return store(store_dir, cuda, host_tier="16GiB")
-    if kind == "store-cold":  # no host tier: every hit read from the store
-        return store(store_dir, cuda, host_tier=0)
-    if kind == "store-async":
-        return store(store_dir, cuda, host_tier="16GiB", load_async=True)
-    if kind == "multi":
-        # The composition not picked: vLLM's own CPU tier in front of the
-        # store through MultiConnector (a hit in host memory is
-        # OffloadingConnector's, one only in the store the store's).
-        return {
-            "kv_connector": "MultiConnector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "connectors": [offloading(16), store(store_dir, cuda, host_tier=0)]
-            },
-        }
-    raise ValueError(f"unknown connector {kind!r}")
-
-
-# name -> (model runner, connector, CUDA graphs); run in this order.
-CONFIGS: dict[str, tuple[str, str, bool]] = {
-    "v2-none": ("v2", "none", False),
-    "v2-offload": ("v2", "offload", False),
-    "v2-store": ("v2", "store", False),
-    "v2-store-cold": ("v2", "store-cold", False),
-    "v2-multi": ("v2", "multi", False),
-    "v1-store": ("v1", "store", False),
-    "v2-store-graphs": ("v2", "store", True),
-    "v2-store-async": ("v2", "store-async", False),
-    "v1-offload": ("v1", "offload", False),
-    "v1-store-graphs": ("v1", "store", True),
-}
 
 
 def reinit_weights(worker: Any, factor: float = 0.02) -> int:
@@ -159,57 +132,95 @@ def reinit_weights(worker: Any, factor: float = 0.02) -> int:
     return n
 
 
+def runner_class(worker: Any) -> str:
+    runner = type(worker.model_runner)
+    return f"{runner.__module__}.{runner.__name__}"
+
+
 def prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(1000, vocab - 1) for _ in range(n)]
 
 
+def append(results: Path, row: dict[str, Any]) -> None:
+    """One line, on disk before the caller goes on: a kill loses nothing
+    measured before it."""
+    with open(results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def child(spec: dict[str, Any]) -> None:
-    """One configuration, in this process; prints one RESULT line."""
-    runner, kind, graphs = CONFIGS[spec["name"]]
+    """One process of the plan: its steps, each figure appended at once."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if spec["runner"] == "v2" else "0"
     # On CPU (--tiny) vLLM would take most of the host's memory for KV.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from vllm.inputs import TokensPrompt
+    from vllm.v1.metrics.reader import Counter
 
     from vllm import LLM, SamplingParams
 
     cuda = torch.cuda.is_available()
+    results = Path(spec["results"])
     kw: dict[str, Any] = dict(
         model=spec["model"],
         skip_tokenizer_init=True,
         load_format="dummy",
         dtype="bfloat16" if cuda else "float32",
-        max_model_len=max(spec["lengths"]) + 64,
+        max_model_len=spec["max_len"] + 64,
         enable_prefix_caching=True,
-        enforce_eager=not graphs,
+        enforce_eager=not spec["graphs"],
         seed=0,
+        # The connector's counters reach get_metrics only with stats on.
+        disable_log_stats=False,
     )
     if cuda:
         kw["gpu_memory_utilization"] = 0.85
-    transfer = connector(kind, spec["store"], cuda)
+    transfer = connector(spec["connector"], spec["store"], cuda)
     if transfer is not None:
         kw["kv_transfer_config"] = transfer
     t0 = time.perf_counter()
     llm = LLM(**kw)
-    result: dict[str, Any] = {"start_s": round(time.perf_counter() - t0, 1)}
-    result["reinitialised"] = llm.collective_rpc(reinit_weights)
+    start_s = round(time.perf_counter() - t0, 1)
+    llm.collective_rpc(reinit_weights)
+    runner = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    base = {"process": spec["name"], "pid": os.getpid(), "runner": runner}
+    append(results, {**base, "event": "start", "start_s": start_s,
+                     "model_runner": llm.collective_rpc(runner_class)[0],
+                     "graphs": spec["graphs"], "torch": torch.__version__})  # fmt: skip
     vocab = spec["vocab"]
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    sixteen = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answer = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+    def counters() -> dict[str, float]:
+        """The connector's counters so far (``vllm:kvlc_store_*``)."""
+        out: dict[str, float] = {}
+        for m in llm.get_metrics():
+            if isinstance(m, Counter) and m.name.startswith("vllm:kvlc_store_"):
+                name = m.name.removeprefix("vllm:kvlc_store_")
+                out[name] = out.get(name, 0) + m.value
+        return out
 
     def timed(ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        before = counters()
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         s = time.perf_counter() - t
+        after = counters()
         return {
             "s": round(s, 4),
             "cached": out[0].num_cached_tokens,
             "tokens": list(out[0].outputs[0].token_ids),
+            "counters": {
+                k: int(v - before.get(k, 0))
+                for k, v in after.items()
+                if v != before.get(k, 0)
+            },
         }
 
     reset_steps: list[int] = []
@@ -228,37 +239,58 @@ def child(spec: dict[str, Any]) -> None:
             time.sleep(0.05)
         reset_steps.append(steps)
 
-    per_length = {}
-    for length in spec["lengths"]:
+    def emit(figure: str, length: int, r: dict[str, Any], **extra: Any) -> None:
+        row = {**base, "figure": figure, "length": length, **r, **extra}
+        row["reset_steps"] = reset_steps[-1] if reset_steps else None
+        append(results, row)
+        print(f"[{spec['name']}] L={length} {figure}: {r['s']:.3f} s, "
+              f"cached {r['cached']}, {r['counters']}", flush=True)  # fmt: skip
+
+    role = spec["role"]
+    # Most important first (the plan's order): a process stopped at the
+    # budget has measured what mattered most.
+    for item in spec["items"]:
+        if item == GREEDY:
+            n = spec["greedy_length"]
+            rng = random.Random(n)
+            g = prompt(rng, vocab, n)
+            control = prompt(rng, vocab, n // 2) + g[n // 2 :]
+            reset()
+            timed(g, answer)  # computed by vLLM, and saved
+            resident = timed(g, answer)  # vLLM's own prefix cache
+            reset()
+            hit = timed(g, answer)  # the connector's
+            reset()
+            other = timed(control, answer)
+            emit("greedy", n, hit, same=hit["tokens"] == resident["tokens"],
+                 resident_tokens=resident["tokens"], resident_cached=resident["cached"],
+                 control_differs=other["tokens"] != resident["tokens"])  # fmt: skip
+            continue
+        length = int(item)
         rng = random.Random(length)
         a = prompt(rng, vocab, length)
-        control = prompt(rng, vocab, length // 2) + a[length // 2 :]
         warm = prompt(rng, vocab, length)
-        row: dict[str, Any] = {"warm": timed(warm, one)}
-        reset()
-        row["first"] = timed(a, one)
-        row["repeats"] = []
-        for _ in range(spec["repeats"]):
+        if role == "cold":
+            # Both prompts were written by another process: the warm-up is
+            # a cold hit too, so the figure is not the first load's set-up.
+            emit("warm-up", length, timed(warm, one))
             reset()
-            row["repeats"].append(timed(a, one))
-        row["resident"] = [timed(a, one) for _ in range(2)]
+            emit("cold hit", length, timed(a, one))
+            continue
+        emit("warm-up", length, timed(warm, one))
+        if role == "recompute":
+            emit("recompute", length, timed(a, one))
+            for _ in range(2):
+                emit("resident hit", length, timed(a, one))
+            continue
         reset()
-        row["answer"] = timed(a, sixteen)["tokens"]
-        reset()
-        row["control"] = timed(control, sixteen)["tokens"]
-        per_length[str(length)] = row
-        print(
-            f"[{spec['name']}] L={length} first {row['first']['s']:.3f}s | hits "
-            + " ".join(f"{r['s']:.3f}s/{r['cached']}" for r in row["repeats"])
-            + " | resident "
-            + " ".join(f"{r['s']:.3f}s" for r in row["resident"]),
-            flush=True,
-        )
-    result["per_length"] = per_length
-    # Requests stepped before each reset took: above 0 where the connector
-    # kept finished requests' blocks for their saves.
-    result["reset_steps"] = reset_steps
-    print("RESULT " + json.dumps(result), flush=True)
+        emit("first request", length, timed(a, one))
+        for _ in range(2):
+            reset()
+            emit("hit" if role == "offload" else "hot hit", length, timed(a, one))
+    # Every save written before the process ends: the cold process reads them.
+    reset()
+    append(results, {**base, "event": "done", "reset_steps": reset_steps})
 
 
 def machine() -> str:
@@ -277,132 +309,82 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    import torch
-
-    return f"{gpu} | {cpu}, {os.cpu_count()} cores | torch {torch.__version__}"
-
-
-def best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return min(rows, key=lambda r: r["s"]) if rows else None
-
-
-def table(results: dict[str, Any], lengths: list[int]) -> list[str]:
-    """Markdown: per configuration and length, the first request, the best
-    hit (and the tokens it loaded), and whether its answer is right."""
-    ref = results.get("v2-offload") or results.get("v1-offload")
-    base = results.get("v2-none")
-    lines = [
-        "| config | L | first request | vs recompute | best hit | cached | "
-        "resident | answer = OffloadingConnector's | control differs |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
-    for name, res in results.items():
-        if "per_length" not in res:
-            lines.append(f"| {name} | | {res.get('error', 'no result')} | | | | | | |")
-            continue
-        for length in lengths:
-            row = res["per_length"].get(str(length))
-            if row is None:
-                continue
-            hit = best(row["repeats"])
-            recompute = base["per_length"][str(length)]["first"]["s"] if base else None
-            ratio = f"{row['first']['s'] / recompute:.2f}x" if recompute else "-"
-            same = "-"
-            ref_row = (ref or {}).get("per_length", {}).get(str(length))
-            if ref_row is not None:
-                same = "yes" if row["answer"] == ref_row["answer"] else "NO"
-            differs = "yes" if row["control"] != row["answer"] else "NO"
-            resident = best(row["resident"])
-            lines.append(
-                f"| {name} | {length} | {row['first']['s']:.3f} s | {ratio} | "
-                f"{hit['s']:.3f} s | {hit['cached']} | "
-                f"{resident['s'] if resident else 0:.3f} s | {same} | {differs} |"
-            )
-    return lines
+    return f"{gpu} | {cpu}, {os.cpu_count()} cores"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="comma-separated, run in order (default: all)")  # fmt: skip
-    p.add_argument("--lengths", default="4096,32768")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plan", type=int, choices=(1, 2), default=1,
+                   help="1: V2 recompute/Offloading/Store hot and cold hits; "
+                   "2: V1, CUDA graphs, load_async")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=330,
+                   help="the whole run's seconds: the plan is trimmed to fit, "
+                   "and a process still running at the end is stopped")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-ttft")))
-    p.add_argument("--budget-s", type=float, default=480,
-                   help="skip a configuration that may not finish by then")  # fmt: skip
-    p.add_argument("--config-timeout-s", type=float, default=150)
-    p.add_argument(
-        "--logs", type=Path, help="one log per configuration (default: --out)"
-    )
     p.add_argument("--tiny", action="store_true", help="a 2-layer model, on CPU")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the time plan and exit")  # fmt: skip
+    p.add_argument("--summarize", type=Path, metavar="DIR",
+                   help="rebuild DIR/summary.md from DIR/results.jsonl")  # fmt: skip
     args = p.parse_args()
-    names = [n for n in args.configs.split(",") if n]
-    for name in names:
-        if name not in CONFIGS:
-            p.error(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    logs = args.logs or args.out
-    logs.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        text = summarize(args.summarize)
+        (args.summarize / "summary.md").write_text(text)
+        print(text, end="")
+        return 0
+    t_start = time.monotonic()
+    plan = make_plan(args.plan, args.tiny, args.budget_s)
+    print("\n".join(render_plan(plan)), flush=True)
+    if args.plan_only:
+        return 0
+    plan.machine = machine()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+    results = out / "results.jsonl"
+    results.unlink(missing_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-ttft-"))
     config = TINY if args.tiny else LLAMA_8B
     model = work / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(config))
-    deadline = time.monotonic() + args.budget_s
-    results: dict[str, Any] = {}
-    skipped: list[str] = []
-    line = machine()
-    print(line, flush=True)
-    for name in names:
-        left = deadline - time.monotonic()
-        if left < 45:
-            skipped.append(name)
-            continue
-        spec = {
-            "name": name,
-            "model": str(model),
-            "vocab": config["vocab_size"],
-            "lengths": lengths,
-            "repeats": args.repeats,
-            "store": str(work / f"store-{name}"),
-        }
-        log = logs / f"{name}.log"
-        t = time.monotonic()
-        try:
-            with open(log, "w") as f:
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--child", json.dumps(spec)],
-                    stdout=f, stderr=subprocess.STDOUT,
-                    timeout=min(args.config_timeout_s, left), check=False,
-                )  # fmt: skip
-            rc: int | str = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        shutil.rmtree(work / f"store-{name}", ignore_errors=True)
-        res: dict[str, Any] = {"rc": rc, "wall_s": round(time.monotonic() - t, 1)}
-        for text in log.read_text(errors="replace").splitlines():
-            if text.startswith("RESULT "):
-                res.update(json.loads(text[len("RESULT ") :]))
-            elif text.startswith("["):
-                print(text, flush=True)
-        if "per_length" not in res:
-            res["error"] = f"rc={rc}, see {log.name}"
-            print(log.read_text(errors="replace")[-2000:], flush=True)
-        results[name] = res
-        print(f"== {name}: rc={rc} in {res['wall_s']} s", flush=True)
-        report = {"machine": line, "lengths": lengths, "results": results,
-                  "skipped": skipped}  # fmt: skip
-        (args.out / "gpu_ttft.json").write_text(json.dumps(report, indent=1))
-    md = [f"Machine: {line}", "", *table(results, lengths)]
-    if skipped:
-        md += ["", f"Skipped (time budget): {', '.join(skipped)}"]
-    (args.out / "gpu_ttft.md").write_text("\n".join(md) + "\n")
-    (args.out / "gpu_ttft.json").write_text(json.dumps(
-        {"machine": line, "lengths": lengths, "results": results, "skipped": skipped},
-        indent=1))  # fmt: skip
-    print("\n".join(md), flush=True)
+    deadline = t_start + args.budget_s
+    with open(out / "processes.log", "w") as log:
+        for proc in plan.processes:
+            items = [s.item for s in plan.steps if s.process == proc.name]
+            if not items:
+                continue
+            spec = {
+                "name": proc.name, "runner": proc.runner, "connector": proc.connector,
+                "role": proc.role, "graphs": proc.graphs, "items": items,
+                "model": str(model), "vocab": config["vocab_size"],
+                "max_len": max(plan.lengths + [plan.greedy_length]),
+                "greedy_length": plan.greedy_length,
+                "store": str(work / f"store-{proc.writer or proc.name}"),
+                "results": str(results),
+            }  # fmt: skip
+            log.write(f"\n===== {proc.name}: {json.dumps(spec)}\n")
+            log.flush()
+            t = time.monotonic()
+            left = deadline - t
+            rc: int | str = "not started: out of time"
+            if left >= 5:
+                try:
+                    rc = subprocess.run(
+                        [sys.executable, __file__, "--child", json.dumps(spec)],
+                        stdout=log, stderr=subprocess.STDOUT, timeout=left,
+                        check=False,
+                    ).returncode  # fmt: skip
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            wall = round(time.monotonic() - t, 1)
+            append(results, {"process": proc.name, "event": "exit", "rc": rc,
+                             "wall_s": wall})  # fmt: skip
+            print(f"== {proc.name}: rc={rc} in {wall} s", flush=True)
     shutil.rmtree(work, ignore_errors=True)
+    text = summarize(out)
+    (out / "summary.md").write_text(text)
+    print(text, end="", flush=True)
     return 0
 
 

@@ -31,6 +31,7 @@ from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.transfer import BlockLayout
 from kvlc_store.worker_side import WorkerSide
 from test_store_device_transfer import (
+    BS,
     DEVICES,
     DTYPES,
     LAYOUTS,
@@ -214,6 +215,36 @@ def test_saved_chunks_load_from_the_tier_without_reading_the_store(
     assert core.stats.data["host_tier_loaded_bytes"] == 2 * bb
     assert core.stats.data["loaded_bytes"] == 2 * (HEADER_BYTES + bb)
     worker.close()
+
+
+def test_loaded_tokens_are_counted_by_where_they_came_from(tmp_path: Path):
+    """``host_tier_loaded_tokens`` and ``store_loaded_tokens``: what
+    ``gpu_ttft.py`` records to tell a hot hit (the tier) from a cold one (a
+    fresh server on the same store, its tier empty)."""
+    core, worker, kv, _ = make(tmp_path, tier_blocks=8)
+    saved(worker, range(3), "r")
+    core.stats.take()
+    assert load(worker, [4, 5], [0, 1]) == set()
+    counted = core.stats.take()
+    assert counted is not None
+    assert counted.data["host_tier_loaded_tokens"] == 2 * BS
+    assert "store_loaded_tokens" not in counted.data
+
+    cold_core, cold, _, _ = make(tmp_path, tier_blocks=8)
+    assert load(cold, [4, 5, 6], [0, 1, 2]) == set()
+    counted = cold_core.stats.take()
+    assert counted is not None
+    assert counted.data["store_loaded_tokens"] == 3 * BS
+    assert "host_tier_loaded_tokens" not in counted.data
+    assert load(cold, [3], [2]) == set()  # kept in its tier by the read
+    counted = cold_core.stats.take()
+    assert counted is not None and counted.data == {
+        "host_tier_loaded_bytes": BlockLayout(kv, NB).block_bytes,
+        "loaded_bytes": HEADER_BYTES + BlockLayout(kv, NB).block_bytes,
+        "host_tier_loaded_tokens": BS,
+    }
+    worker.close()
+    cold.close()
 
 
 def test_evicted_chunk_is_read_from_the_store_and_kept_again(

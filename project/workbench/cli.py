@@ -175,15 +175,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_gpu(root: Path, rest: list[str]) -> int:
     """``./wb bench --gpu``: project/bench/gpu_ttft.py with the patched CUDA
     build in ``.venv`` (``./wb venv`` builds it where an NVIDIA GPU is)."""
+    # The plan, a summary and the help read no GPU and import no vLLM.
+    offline = bool({"--help", "--plan-only", "--summarize"} & set(rest))
     device, why = build.target_device()
-    if device != "cuda" and "--help" not in rest:
+    if device != "cuda" and not offline:
         print(
             f"./wb bench --gpu needs an NVIDIA GPU: {why}",
             file=sys.stderr,
         )
         return 1
     script = root / "project" / "bench" / "gpu_ttft.py"
-    python = devenv.ensure(root) if "--help" not in rest else Path(sys.executable)
+    python = Path(sys.executable) if offline else devenv.ensure(root)
     return _call([str(python), str(script), *rest])
 
 
@@ -375,8 +377,11 @@ def parser() -> argparse.ArgumentParser:
         "patched vs unpatched vLLM: scheduler step, worker hook, serve; writes "
         "project/docs/benchmarks.md (./wb bench --help); with --ttft: TTFT of a "
         "repeated prompt per external KV cache, project/docs/ttft.md "
-        "(./wb bench --ttft --help); with --gpu: on an NVIDIA GPU, TTFT of "
-        "recompute, OffloadingConnector and StoreConnector hits "
+        "(./wb bench --ttft --help); with --gpu: on an NVIDIA GPU, in one call "
+        "of --budget-s (330 s): TTFT of recompute, OffloadingConnector's hit, "
+        "StoreConnector's first request, hot and cold hits (--plan 2: V1, CUDA "
+        "graphs, load_async), the time plan printed first (--plan-only: no GPU "
+        "needed), results.jsonl written as it goes (--summarize DIR) "
         "(./wb bench --gpu --help; results in project/docs/gpu.md)",
     )
     add(

@@ -45,6 +45,11 @@ COUNTERS: dict[str, str] = {
     "instead of the store.",
     "host_tier_loaded_bytes": "Chunk bytes loaded from the host tier (pinned "
     "host memory) instead of the store.",
+    # In tokens, from TP rank 0 only, so a benchmark can tell a hot hit from a
+    # cold one without knowing the KV layout's bytes per block.
+    "host_tier_loaded_tokens": "Tokens whose KV workers loaded from the host tier.",
+    "store_loaded_tokens": "Tokens whose KV workers read from the store (or "
+    "the prefetch buffer), not the host tier.",
 }
 
 # Worker-side counts come from the step and from the asynchronous-load thread

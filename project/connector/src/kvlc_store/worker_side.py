@@ -219,6 +219,8 @@ class WorkerSide:
 
     def _count_loaded(self, head: Head, buffer: BufferReader | None) -> None:
         self._core.stats.inc("loaded_bytes", head[1])
+        if self.rank == 0:
+            self._core.stats.inc("store_loaded_tokens", self._block_size)
         if buffer is not None:
             self._core.stats.inc("prefetch_loaded_bytes", head[1])
 
@@ -350,6 +352,8 @@ class WorkerSide:
                     end = misses[len(checked)]
                 hits = end - sum(1 for j in misses if j < end)
                 core.stats.inc("host_tier_loaded_bytes", hits * tier.block_bytes)
+                if self.rank == 0:
+                    core.stats.inc("host_tier_loaded_tokens", hits * self._block_size)
                 core.stats.inc("loaded_bytes", hits * (HEADER_BYTES + tier.block_bytes))
                 if end == len(batch_keys) and all(outcomes):
                     ids, rows_slots = batch_ids, batch_slots
