@@ -113,27 +113,31 @@ def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
         (tmp_path / path).write_text("def test_a(): pass\n")
     for path in testrun.BESIDE_E2E_TESTS:
         (tmp_path / path).write_text(
-            "import os\n"
-            "def test_c(): assert os.environ['KVLC_REQUIRE_E2E'] == '1'\n"
+            "import os\ndef test_c(): assert os.environ['KVLC_REQUIRE_E2E'] == '1'\n"
         )
     (tests / "test_e2e.py").write_text("def test_b(): pass\n")
     logs = tmp_path / "logs"
     logs.mkdir()
     e2e_env: Future[dict[str, str]] = Future()
     e2e_env.set_result({"KVLC_REQUIRE_E2E": "1"})
-    hooks, workbench, upstream, e2e = testrun._beside(
+    hooks, workbench, upstream, release, e2e = testrun._beside(
         tmp_path, tools, Path(sys.executable), [], logs, e2e_env
     )
     assert (hooks.passed, hooks.failed) == (2, 1)
     # Only the workbench's own test files, none other.
     assert (workbench.passed, workbench.failed) == (len(testrun.WORKBENCH_TESTS), 0)
     assert (upstream.passed, upstream.failed) == (7, 0)
+    assert (release.passed, release.failed) == (7, 0)
+    assert release.name.endswith(f"on vLLM {testrun.upstream.NEXT_RELEASE}")
     # Only its share of the end-to-end tests, in the environment given.
     assert (e2e.passed, e2e.failed) == (len(testrun.BESIDE_E2E_TESTS), 0)
     assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
     assert "--durations=25" in (logs / "workbench-tests.log").read_text()
     log = (logs / "upstream.log").read_text().splitlines()
     assert log[0].startswith("$ ") and "regress --python" in log[0]
+    assert log[1:] == ["regress output"]
+    log = (logs / "release.log").read_text().splitlines()
+    assert log[0].startswith("$ ") and "release-test --summary-json" in log[0]
     assert log[1:] == ["regress output"]
 
 
@@ -153,6 +157,10 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
         print("regress output", file=out)
         beside_ran.set()
         return testrun.Verdict("upstream and stack tests", 5, 0, "0 regressions")
+
+    def release_tests(root, out):
+        print("release output", file=out)
+        return testrun.Verdict("stack tests on the newest release", 6, 0, "ok")
 
     def project_tests(root, python, env, rest, paths=(), ignore=(), name="", out=None):
         assert rest == ["-k", "x"]
@@ -178,6 +186,7 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", hooks)
     monkeypatch.setattr(testrun, "_upstream_tests", upstream_tests)
+    monkeypatch.setattr(testrun, "_release_tests", release_tests)
     monkeypatch.setattr(testrun, "_project_tests", project_tests)
     assert testrun.run(tmp_path, ["-k", "x"]) == 1
     out = capsys.readouterr().out
@@ -189,10 +198,12 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
         "=== workbench tests: PASS: 2 passed",
         "regress output",
         "=== upstream and stack tests: PASS: 0 regressions",
+        "release output",
+        "=== stack tests on the newest release: PASS: ok",
         "beside e2e output",
         "=== project tests, beside: PASS: 4 passed",
         "=== summary",
-        "=== 21 passed, 1 failed ===",
+        "=== 27 passed, 1 failed ===",
     ]
     positions = [out.index(line) for line in order]
     assert positions == sorted(positions), out
@@ -218,6 +229,7 @@ def test_a_failed_environment_does_not_leave_the_lane_beside_waiting(
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", lambda root, tools, out: verdict)
     monkeypatch.setattr(testrun, "_upstream_tests", lambda root, py, out: verdict)
+    monkeypatch.setattr(testrun, "_release_tests", lambda root, out: verdict)
     monkeypatch.setattr(testrun, "_project_tests", lambda *args, **kw: verdict)
     with pytest.raises(RuntimeError, match="no index"):
         testrun.run(tmp_path, [])

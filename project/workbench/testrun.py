@@ -4,10 +4,11 @@ First the system packages the end-to-end tests need (``project/ci/
 system-packages``: installed when possible, else it stops at once with one
 line), then the environments, then the steps: the project's hooks, the
 project's end-to-end tests, the workbench's own tests (``WORKBENCH_TESTS``),
-upstream's and the stack's tests (``wb regress``). The end-to-end tests
+upstream's and the stack's tests (``wb regress``), and the same on the newest
+release (``wb release-test``). The end-to-end tests
 leave one of a 2-core runner's cores idle most of the time (pytest and an
 engine's start keep one busy; the rest is waiting on servers and stores), so
-the other three steps run beside them, then a share of the end-to-end tests
+the other steps run beside them, then a share of the end-to-end tests
 (``BESIDE_E2E_TESTS``) once those steps are done; their output is held in
 logs and printed after the end-to-end tests (pytest's ``--durations``
 reports show where time went). Each step ends with one verdict line; the
@@ -122,17 +123,17 @@ def _project_tests(
     return Verdict(name, passed, failed, detail)
 
 
-def _upstream_tests(root: Path, python: Path, out: TextIO | None = None) -> Verdict:
-    """``wb regress --fast --stack``: only regressions count as failures. Its
-    output goes to ``out`` (a file; default: stdout)."""
-    name = "upstream and stack tests"
+def _regress_step(
+    root: Path, name: str, args: list[str], out: TextIO | None = None
+) -> Verdict:
+    """``wb <args> --summary-json``, a ``wb regress`` run: only regressions
+    count as failures. Its output goes to ``out`` (a file; default: stdout)."""
     with tempfile.TemporaryDirectory(prefix="kvlc-test-") as tmp:
         summary = Path(tmp) / "summary.json"
-        cmd = [sys.executable, str(root / "wb"), "regress", "--python", str(python)]
-        cmd += ["--fast", "--stack", "--summary-json", str(summary)]
+        cmd = [sys.executable, str(root / "wb"), *args, "--summary-json", str(summary)]
         status = _call(cmd, root, out=out)
         if not summary.exists():
-            return Verdict(name, 0, 1, f"wb regress exited {status} with no verdict")
+            return Verdict(name, 0, 1, f"wb {args[0]} exited {status} with no verdict")
         counts = json.loads(summary.read_text())
     detail = (
         f"{counts['regressions']} regressions, {counts['passed']} passed, "
@@ -140,6 +141,18 @@ def _upstream_tests(root: Path, python: Path, out: TextIO | None = None) -> Verd
         "failures the unpatched release has too are not counted"
     )
     return Verdict(name, counts["passed"], counts["regressions"], detail)
+
+
+def _upstream_tests(root: Path, python: Path, out: TextIO | None = None) -> Verdict:
+    """``wb regress --fast --stack`` on the pinned release."""
+    args = ["regress", "--python", str(python), "--fast", "--stack"]
+    return _regress_step(root, "upstream and stack tests", args, out)
+
+
+def _release_tests(root: Path, out: TextIO | None = None) -> Verdict:
+    """``wb release-test``: the stack on the newest release."""
+    name = f"upstream and stack tests on vLLM {upstream.NEXT_RELEASE}"
+    return _regress_step(root, name, ["release-test"], out)
 
 
 # The workbench's own tests: no engine, mostly git, zip and file copies (the
@@ -168,7 +181,13 @@ BESIDE_E2E_TESTS = tuple(
     )
 )
 # Each step run beside the project's end-to-end tests, and its log.
-BESIDE_LOGS = ("hooks.log", "workbench-tests.log", "upstream.log", "e2e-beside.log")
+BESIDE_LOGS = (
+    "hooks.log",
+    "workbench-tests.log",
+    "upstream.log",
+    "release.log",
+    "e2e-beside.log",
+)
 
 
 def _beside(
@@ -183,7 +202,7 @@ def _beside(
     then ``BESIDE_E2E_TESTS`` in ``e2e_env`` (once the other lane has made
     the environments they need): the steps that run beside the project's
     end-to-end tests, each with its output in its log (``BESIDE_LOGS``)."""
-    hooks, workbench, regress, e2e = (logs / name for name in BESIDE_LOGS)
+    hooks, workbench, regress, release, e2e = (logs / name for name in BESIDE_LOGS)
     with hooks.open("w") as out:
         verdicts = [_hooks(root, tools, out)]
     with workbench.open("w") as out:
@@ -201,6 +220,8 @@ def _beside(
         )
     with regress.open("w") as out:
         verdicts.append(_upstream_tests(root, python, out))
+    with release.open("w") as out:
+        verdicts.append(_release_tests(root, out))
     with e2e.open("w") as out:
         verdicts.append(
             _project_tests(
