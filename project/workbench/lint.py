@@ -71,7 +71,7 @@ def run_upstream_hooks(tree: Path, files: list[str]) -> list[str]:
         print("lint: no files to check")
         return []
     python = tools_python()
-    derived = tree.parent / "pre-commit-derived.yaml"
+    derived = tree.parent / f".{tree.name}-pre-commit.yaml"
     subprocess.run(
         [
             str(python),

@@ -12,7 +12,9 @@ upstream's scheduler and KV connector unit tests here. ``./wb release-test``:
 2. derives the stack onto the release (``derive.py``, ``build/vllm-<release>``)
    unless that tree holds edits not yet refreshed, which are then tested as
    they are, and installs it over the pristine release (``+kvlc``);
-3. imports every module the stack changes, Model Runner V2's and
+3. runs upstream's pre-commit hooks of the release (ruff, mypy, ...) on the
+   files the stack touches, as ``wb check`` does on the pinned release, then
+   imports every module the stack changes, Model Runner V2's and
    ``gpu_model_runner.py`` included: on CPU without compiled ops they can be
    import-checked only, not run;
 4. runs ``SELECTION`` (upstream's tests of what the stack touches) and the
@@ -20,6 +22,10 @@ upstream's scheduler and KV connector unit tests here. ``./wb release-test``:
    ``data/baseline-vllm-<release>-cpu.txt``: the tests that pass on the
    unpatched release here. ``--record`` reinstalls the pristine release and
    records that baseline instead.
+
+``--prefixes`` builds and tests every prefix of the stack on the release,
+as ``wb prefix-check`` does on the pinned one (``build/prefix-<release>``):
+each entry on the entries below it alone, with its own tests.
 
 The stack's end-to-end tests (a served model) need the compiled CPU build and
 run on the pinned release only.
@@ -36,8 +42,9 @@ import venv
 from collections.abc import Sequence
 from pathlib import Path
 
-from workbench import derive, devenv, prefixes, regress, stack, upstream
+from workbench import derive, devenv, lint, prefixes, regress, stack, upstream
 from workbench.build import LOCAL_LABEL
+from workbench.check import touched_files
 from workbench.errors import WorkbenchError
 from workbench.materialize import unrefreshed_work
 
@@ -249,6 +256,11 @@ def main(root: Path, argv: Sequence[str]) -> int:
         print(f"testing {tree} as it is: it holds edits not yet refreshed")
     else:
         derive.derive(stack.load(root), tree, force=True)
+    if lint.run_upstream_hooks(tree, touched_files(stack.load(root))):
+        raise WorkbenchError(
+            f"upstream's hooks fail on the stack on vLLM {RELEASE} (output "
+            f"above): fix the entry in {tree}, then ./wb derive --refresh"
+        )
     install_tree(python, tree, f"{RELEASE}+{LOCAL_LABEL}")
     import_check(python, changed_modules(root))
     return regress.main([*common, "--stack-tree", str(tree), *selection])
