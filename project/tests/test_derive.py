@@ -6,7 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from workbench import derive, export, stack, upstream
+from conftest import REPO
+from workbench import derive, export, release_test, stack, upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, git, git_text
 from workbench.stack import release_delta
@@ -78,7 +79,9 @@ def test_a_conflict_is_resolved_in_the_tree_and_kept_as_the_delta(
     delta = _delta(trial_root)
     assert f"+    {resolved}" in delta.read_text()
     # Its header says why; a refresh keeps it, and derive applies the delta.
-    delta.write_text("Description: upstream reworded the docstring\n\n" + delta.read_text())
+    delta.write_text(
+        "Description: upstream reworded the docstring\n\n" + delta.read_text()
+    )
     assert derive.refresh(stack.load(trial_root), dest) == []
     assert delta.read_text().startswith("Description: upstream reworded")
     again = tmp_path / "again"
@@ -86,9 +89,7 @@ def test_a_conflict_is_resolved_in_the_tree_and_kept_as_the_delta(
     assert (again / OUTPUT_PY).read_text() == target.read_text()
 
     out = tmp_path / "export"
-    [patch] = export.export(
-        stack.load(trial_root), out, signoff=ADA, next_release=True
-    )
+    [patch] = export.export(stack.load(trial_root), out, signoff=ADA, next_release=True)
     assert f"+    {resolved}" in patch.read_text()
     assert "Signed-off-by: Ada Lovelace" in patch.read_text()
 
@@ -113,3 +114,12 @@ def test_a_delta_that_no_longer_applies_is_named(
     ]
     shutil.rmtree(dest)
     derive.derive(stack.load(trial_root), dest)
+
+
+def test_release_test_imports_both_model_runners_the_stack_changes():
+    # On a pure-Python install the runners cannot run: the import check is
+    # all that covers them there, so it must include them.
+    modules = release_test.changed_modules(REPO)
+    assert "vllm.v1.worker.gpu_model_runner" in modules
+    assert "vllm.v1.worker.gpu.kv_connector" in modules
+    assert "vllm.v1.core.sched.scheduler" in modules

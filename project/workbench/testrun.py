@@ -162,6 +162,7 @@ WORKBENCH_TESTS = tuple(
     f"project/tests/{name}"
     for name in (
         "test_workbench.py",
+        "test_derive.py",
         "test_build_cuda.py",
         "test_prefixes.py",
         "test_regress.py",
