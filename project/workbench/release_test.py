@@ -23,6 +23,8 @@ upstream's scheduler and KV connector unit tests here. ``./wb release-test``:
    unpatched release here. ``--record`` reinstalls the pristine release and
    records that baseline instead.
 
+``--fast`` (CI's) runs ``FAST_SELECTION`` instead of ``SELECTION``, with
+the stack's own tests and the upstream tests it edits as always.
 ``--prefixes`` builds and tests every prefix of the stack on the release,
 as ``wb prefix-check`` does on the pinned one (``build/prefix-<release>``):
 each entry on the entries below it alone, with its own tests.
@@ -79,6 +81,11 @@ SELECTION = (
     "tests/v1/kv_connector/unit/test_error_propagation.py",
     "tests/v1/simple_kv_offload",
 )
+# CI's subset (--fast): with the stack's own tests and the upstream tests it
+# edits (which --stack-tree adds), upstream's tests of the connector every
+# entry changes; SELECTION's others, the scheduler's above all, run on the
+# pinned release in CI and here in full.
+FAST_SELECTION = ("tests/v1/kv_connector/unit/test_multi_connector.py",)
 # A module the stack changes imports on the release (checked before the tests).
 _IMPORT_CHECK = """
 import importlib, sys
@@ -243,8 +250,10 @@ def main(root: Path, argv: Sequence[str]) -> int:
     python = ensure_env(root)
     # A pure-Python vLLM detects no platform; the tests run on the CPU one.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    fast = "--fast" in options
+    options = [o for o in options if o != "--fast"]
     common = ["--python", str(python), "--baseline", str(BASELINE), *options]
-    selection = [*SELECTION, *extra]
+    selection = [*(FAST_SELECTION if fast else SELECTION), *extra]
     if "--prefixes" in options:
         return check_prefixes(root, python)
     if "--record" in options:

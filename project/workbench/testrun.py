@@ -5,7 +5,7 @@ system-packages``: installed when possible, else it stops at once with one
 line), then the environments, then the steps: the project's hooks, the
 project's end-to-end tests, the workbench's own tests (``WORKBENCH_TESTS``),
 upstream's and the stack's tests (``wb regress``), and the same on the newest
-release (``wb release-test``). The end-to-end tests
+release (``wb release-test --fast``). The end-to-end tests
 leave one of a 2-core runner's cores idle most of the time (pytest and an
 engine's start keep one busy; the rest is waiting on servers and stores), so
 the other steps run beside them, then a share of the end-to-end tests
@@ -150,9 +150,9 @@ def _upstream_tests(root: Path, python: Path, out: TextIO | None = None) -> Verd
 
 
 def _release_tests(root: Path, out: TextIO | None = None) -> Verdict:
-    """``wb release-test``: the stack on the newest release."""
+    """``wb release-test --fast``: the stack on the newest release."""
     name = f"upstream and stack tests on vLLM {upstream.NEXT_RELEASE}"
-    return _regress_step(root, name, ["release-test"], out)
+    return _regress_step(root, name, ["release-test", "--fast"], out)
 
 
 # The workbench's own tests: no engine, mostly git, zip and file copies (the
