@@ -10,7 +10,7 @@ from conftest import REPO
 from workbench import derive, export, release_test, stack, upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, git, git_text
-from workbench.stack import release_delta
+from workbench.stack import RELEASE_DELTA
 
 OUTPUT_PY = "vllm/v1/core/sched/output.py"
 TRIAL_MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/trial.py"
@@ -36,7 +36,7 @@ def next_release(monkeypatch: pytest.MonkeyPatch):
 
 
 def _delta(root: Path) -> Path:
-    return root / "patches" / "trial" / release_delta()
+    return root / "patches" / "trial" / RELEASE_DELTA
 
 
 def test_a_clean_pick_needs_no_delta(trial_root, pristine, tmp_path, next_release):
@@ -74,7 +74,7 @@ def test_a_conflict_is_resolved_in_the_tree_and_kept_as_the_delta(
         derive.derive(stack.load(trial_root), dest)
 
     assert derive.refresh(stack.load(trial_root), dest) == [
-        f"wrote patches/trial/{release_delta()}"
+        f"wrote patches/trial/{RELEASE_DELTA}"
     ]
     delta = _delta(trial_root)
     assert f"+    {resolved}" in delta.read_text()
@@ -110,7 +110,7 @@ def test_a_delta_that_no_longer_applies_is_named(
     # git's pick alone, to be fixed and refreshed.
     assert ENTRY_DOC in (dest / OUTPUT_PY).read_text()
     assert derive.refresh(stack.load(trial_root), dest) == [
-        f"removed patches/trial/{release_delta()}"
+        f"removed patches/trial/{RELEASE_DELTA}"
     ]
     shutil.rmtree(dest)
     derive.derive(stack.load(trial_root), dest)

@@ -35,16 +35,20 @@ from workbench import upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import (
     BASE_REF,
-    commit_tree,
     git,
     git_status,
     git_text,
     with_trailer,
 )
 from workbench.materialize import MATERIALIZED_REF, build_repo, unrefreshed_work
-from workbench.rebase import commit_tree_of, merge_entry, take_entry_sides
+from workbench.rebase import (
+    commit_tree_of,
+    commit_whole_tree,
+    merge_entry,
+    take_entry_sides,
+)
 from workbench.refresh import read_entries
-from workbench.stack import Stack, release_delta
+from workbench.stack import RELEASE_DELTA, Stack
 
 # Where --refresh fetches the derived tree's commits into its scratch repository.
 DERIVED_REF = "refs/kvlc/derived"
@@ -59,13 +63,6 @@ def _base_message(tree: Path) -> str:
         f"vLLM {upstream.NEXT_RELEASE}: pristine upstream source\n\n"
         f"The release sdist ({tree.name}), unpacked, unchanged.\n"
     )
-
-
-def _commit_release(repo: Path, tree: Path) -> str:
-    """Commit ``tree`` whole, parentless, in ``repo``; return the commit."""
-    git(repo, "read-tree", "--empty")
-    git(repo, "--work-tree", str(tree), "add", "--all", "--force")
-    return commit_tree(repo, _base_message(tree), None)
 
 
 def pick(repo: Path, head: str, entry_commit: str) -> tuple[str, list[str]]:
@@ -110,12 +107,13 @@ def build_derived(
     pick alone (a conflict taken on the entry's side)."""
     build_repo(stack, repo)
     commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
-    head = _commit_release(repo, upstream.next_pristine_tree())
+    release = upstream.next_pristine_tree()
+    head = commit_whole_tree(repo, release, _base_message(release))
     git(repo, "update-ref", BASE_REF, head)
     unresolved: list[str] = []
     for entry, commit in zip(stack.entries, commits, strict=True):
         tree, conflicts = pick(repo, head, commit)
-        delta = stack.patches_dir / entry.name / release_delta()
+        delta = stack.patches_dir / entry.name / RELEASE_DELTA
         note = ""
         if delta.is_file():
             tree, failure = _apply_delta(repo, tree, delta)
@@ -198,7 +196,7 @@ def refresh(stack: Stack, dest: Path) -> list[str]:
         for entry, commit, edited_commit in picks:
             tree, _ = pick(repo, parent, commit)
             diff = git(repo, "diff", "--full-index", tree, f"{edited_commit}^{{tree}}")
-            path = stack.patches_dir / entry.name / release_delta()
+            path = stack.patches_dir / entry.name / RELEASE_DELTA
             text = delta_header(path) + diff if diff else b""
             if text and (not path.is_file() or path.read_bytes() != text):
                 path.write_bytes(text)

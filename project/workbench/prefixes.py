@@ -46,16 +46,17 @@ def _is_test_file(path: str) -> bool:
     )
 
 
+def module_name(path: str) -> str | None:
+    """The dotted import name of a vllm source file; None for other paths."""
+    if path.startswith("vllm/") and path.endswith(".py"):
+        return path[: -len(".py")].removesuffix("/__init__").replace("/", ".")
+    return None
+
+
 def changed_modules(entry: Entry) -> list[str]:
     """Dotted names of the existing vllm modules the entry's patch changes."""
-    modules = []
-    for section in split_patch(entry.patch):
-        path = section.path
-        if path.startswith("vllm/") and path.endswith(".py"):
-            modules.append(
-                path[: -len(".py")].removesuffix("/__init__").replace("/", ".")
-            )
-    return sorted(modules)
+    names = (module_name(section.path) for section in split_patch(entry.patch))
+    return sorted(name for name in names if name)
 
 
 def imported_modules(source: str) -> set[str]:
@@ -175,6 +176,24 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
+def overlay_env(
+    env_dir: Path, deps_python: Path, install: Callable[[Path], None]
+) -> Path:
+    """A fresh environment at ``env_dir`` whose own site-packages, filled by
+    ``install(site_packages)``, comes before ``deps_python``'s packages (a
+    ``.pth`` file), so its vllm shadows theirs. Returns its python."""
+    subprocess.run(
+        [str(deps_python), "-m", "venv", "--clear", "--without-pip", str(env_dir)],
+        check=True,
+    )
+    python = env_dir / "bin" / "python"
+    target = site_packages(python)
+    install(target)
+    # After the environment's own site-packages, which Python reads first.
+    (target / "kvlc-deps.pth").write_text(f"{site_packages(deps_python)}\n")
+    return python
+
+
 def ensure_prefix_env(prefix: Stack, where: Path, deps_python: Path) -> Path:
     """The python of ``where/venv``: the prefix's CPU build over ``deps_python``'s
     packages; rebuilt only when the prefix changed."""
@@ -186,16 +205,13 @@ def ensure_prefix_env(prefix: Stack, where: Path, deps_python: Path) -> Path:
         print(f"{env_dir}: up to date", flush=True)
         return python
     wheel = build.build_cpu(prefix, where / "dist")
-    subprocess.run(
-        [str(deps_python), "-m", "venv", "--clear", "--without-pip", str(env_dir)],
-        check=True,
-    )
-    target = site_packages(python)
-    pip = [str(deps_python), "-m", "pip", "install", "--quiet", "--no-deps"]
-    if subprocess.call([*pip, "--no-compile", "--target", str(target), str(wheel)]):
-        raise WorkbenchError(f"installing {wheel.name} into {env_dir} failed")
-    # After the environment's own site-packages: its vllm shadows .venv's.
-    (target / "kvlc-deps.pth").write_text(f"{site_packages(deps_python)}\n")
+
+    def install(target: Path) -> None:
+        pip = [str(deps_python), "-m", "pip", "install", "--quiet", "--no-deps"]
+        if subprocess.call([*pip, "--no-compile", "--target", str(target), str(wheel)]):
+            raise WorkbenchError(f"installing {wheel.name} into {env_dir} failed")
+
+    overlay_env(env_dir, deps_python, install)
     marker.write_text(digest)
     return python
 

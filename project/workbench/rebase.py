@@ -148,6 +148,14 @@ def merge_entry(repo: Path, head: str, entry_commit: str) -> tuple[str, bool, st
     return tree, proc.returncode == 0, messages
 
 
+def commit_whole_tree(repo: Path, tree: Path, message: str) -> str:
+    """Commit every file under ``tree``, and nothing else, as a parentless
+    commit in ``repo`` (a release to carry the stack onto)."""
+    git(repo, "read-tree", "--empty")
+    git(repo, "--work-tree", str(tree), "add", "--all", "--force")
+    return commit_tree(repo, message, None)
+
+
 def commit_tree_of(
     repo: Path, tree: str, parent: str, message: str = "target\n"
 ) -> str:
@@ -197,9 +205,7 @@ def assess(stack: Stack, target: Target, scratch: Path) -> list[EntryDrift]:
     repo = scratch / "stack"
     build_repo(stack, repo, trailers=False)
     commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
-    git(repo, "read-tree", "--empty")
-    git(repo, "--work-tree", str(target.tree), "add", "--all", "--force")
-    head = commit_tree(repo, f"upstream: {target.label}\n", None)
+    head = commit_whole_tree(repo, target.tree, f"upstream: {target.label}\n")
     drifts = []
     for entry, commit in zip(stack.entries, commits, strict=True):
         clashes = [

@@ -20,10 +20,10 @@ from workbench.stack import (
     MESSAGE,
     OWNED,
     PATCH,
+    RELEASE_DELTA,
     RETIRED,
     Stack,
     parse_series,
-    release_delta,
     validate_message,
     validate_owned_path,
 )
@@ -166,7 +166,7 @@ def write_stack(old: Stack, entries: list[EntryState]) -> list[str]:
         if old_entry.name not in kept:
             # An entry's retired and edited tests go with it: the upstream
             # tests it removed or changed are back once it is dropped.
-            for name in (MESSAGE, PATCH, OWNED, RETIRED, EDITED, release_delta()):
+            for name in (MESSAGE, PATCH, OWNED, RETIRED, EDITED, RELEASE_DELTA):
                 _remove(old.patches_dir / old_entry.name / name, log)
             entry_dir = old.patches_dir / old_entry.name
             if entry_dir.exists() and not any(entry_dir.iterdir()):

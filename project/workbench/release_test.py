@@ -170,15 +170,8 @@ def install_tree(
 
 def changed_modules(root: Path) -> list[str]:
     """The vllm modules the stack adds or changes, as import names."""
-    paths = set()
-    for entry in stack.load(root).entries:
-        paths.update(stack.patch_files(entry.patch))
-        paths.update(entry.owned)
-    return sorted(
-        p.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        for p in paths
-        if p.startswith("vllm/") and p.endswith(".py")
-    )
+    names = (prefixes.module_name(p) for p in touched_files(stack.load(root)))
+    return sorted(name for name in names if name)
 
 
 def import_check(python: Path, modules: Sequence[str]) -> None:
@@ -204,17 +197,12 @@ def prefix_builder(python: Path) -> prefixes.Builder:
     pinned release)."""
 
     def build(prefix: stack.Stack, where: Path) -> Path:
-        env = where / "venv"
-        subprocess.run(
-            [str(python), "-m", "venv", "--clear", "--without-pip", str(env)],
-            check=True,
+        version = f"{RELEASE}+{LOCAL_LABEL}"
+        return prefixes.overlay_env(
+            where / "venv",
+            python,
+            lambda target: install_tree(python, where / "tree", version, target),
         )
-        target = prefixes.site_packages(env / "bin" / "python")
-        install_tree(python, where / "tree", f"{RELEASE}+{LOCAL_LABEL}", target)
-        # After the environment's own site-packages: its vllm shadows the
-        # release environment's.
-        (target / "kvlc-deps.pth").write_text(f"{prefixes.site_packages(python)}\n")
-        return env / "bin" / "python"
 
     return build
 

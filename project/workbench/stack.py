@@ -7,6 +7,7 @@ Layout (one entry per future upstream PR)::
     patches/<entry>/upstream.patch  changes to files existing before the entry (-p1)
     patches/<entry>/owned-files     the files the entry adds, one path a line
     patches/<entry>/retired-tests   upstream tests the entry removes or renames, and why
+    patches/<entry>/on-<release>.patch  the entry on the newest release (derive.py)
     vllm/ tests/ docs/ <path>       each added file's content, at its upstream path
 
 Files an entry adds are stored whole at their upstream path and owned by that
@@ -39,13 +40,8 @@ MESSAGE = "message.md"
 PATCH = "upstream.patch"
 OWNED = "owned-files"
 RETIRED = "retired-tests"
-
-
-def release_delta(release: str | None = None) -> str:
-    """The file name of an entry's delta to its form on ``release`` (default:
-    the newest release, ``derive.py``)."""
-    return f"on-{release or NEXT_RELEASE}.patch"
-
+# The entry's delta from git's pick of it to its form on the newest release.
+RELEASE_DELTA = f"on-{NEXT_RELEASE}.patch"
 
 _ENTRY_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # git am ends the commit message at these lines; a PR body must not hold them.
