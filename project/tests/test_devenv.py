@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,40 @@ def test_progress_lines_end_at_a_word_and_heartbeats_repeat_nothing_stale():
     again = devenv.heartbeat(30, "Copying vllm/foo.py", "Copying vllm/foo.py")
     assert again == "... 30 s, pip still working (no new output)"
     assert devenv.HEARTBEAT_S <= 10
+
+
+@pytest.mark.skipif(shutil.which("hardlink") is None, reason="no util-linux hardlink")
+def test_a_side_environment_links_the_files_dot_venv_holds_byte_for_byte(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Shared: a library both hold; kept apart: ``.py`` files (their time
+    decides whether Python's bytecode is stale), a file that differs, and a
+    file whose name differs."""
+    main, side = tmp_path / ".venv", tmp_path / "build" / "venv-side"
+    files = {
+        "lib/libtorch_cpu.so": (b"\x7fELF" * 4096, b"\x7fELF" * 4096),
+        "torch/__init__.py": (b"import os\n" * 500, b"import os\n" * 500),
+        "vllm/_C.so": (b"patched" * 2000, b"release" * 2000),
+        "lib/libgomp.so": (b"gomp" * 4096, None),
+        "lib/libgomp-renamed.so": (None, b"gomp" * 4096),
+    }
+    for rel, (in_main, in_side) in files.items():
+        for where, data in ((main, in_main), (side, in_side)):
+            if data is not None:
+                (where / rel).parent.mkdir(parents=True, exist_ok=True)
+                (where / rel).write_bytes(data)
+
+    devenv.share_files(side, tmp_path)
+
+    def same(rel: str, other: str | None = None) -> bool:
+        return (main / rel).stat().st_ino == (side / (other or rel)).stat().st_ino
+
+    assert same("lib/libtorch_cpu.so")
+    assert (main / "lib/libtorch_cpu.so").stat().st_nlink == 2
+    assert not same("torch/__init__.py")
+    assert not same("vllm/_C.so")
+    assert (side / "vllm/_C.so").read_bytes() == b"release" * 2000
+    assert not same("lib/libgomp.so", "lib/libgomp-renamed.so")
+    assert "linked" in capsys.readouterr().out
+
+    devenv.share_files(main, tmp_path)  # .venv itself: nothing to share with

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import shutil
 import subprocess
 import threading
 import time
@@ -149,6 +150,34 @@ def pip_install(
     print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
 
 
+def share_files(env_dir: Path, root: Path) -> None:
+    """Replace ``env_dir``'s files that ``.venv`` also holds, byte for byte,
+    by hard links to ``.venv``'s, when util-linux's ``hardlink`` is there and
+    both are on one file system. Called by whoever just installed into
+    ``env_dir``. Each environment carries its own torch, triton and vLLM
+    (3-4 GB); linked, the side environments and the release's add about
+    1 GB each, which is what a CI runner's disk has room for.
+    """
+    main = root / ".venv"
+    hardlink = shutil.which("hardlink")
+    if hardlink is None or not main.is_dir() or env_dir.resolve() == main.resolve():
+        return
+    # pip stamps the install time on every file, so times differ; ``.py``
+    # files stay apart because a link would give them the other copy's
+    # time, and Python would then recompile the environment's bytecode.
+    cmd = [hardlink, "--ignore-time", "--respect-name", "--keep-oldest"]
+    cmd += ["--exclude", r"\.py$", str(main), str(env_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    saved = [line for line in proc.stdout.splitlines() if line.startswith("Saved")]
+    if proc.returncode != 0:
+        # Only disk is at stake: say so and go on with the copies.
+        why = clip(proc.stderr.strip() or f"exit {proc.returncode}")
+        print(f"  {env_dir}: files not shared with {main} ({why})", flush=True)
+    elif saved:
+        detail = " ".join(saved[0].split()[1:])
+        print(f"  {env_dir}: files identical to {main}'s linked, {detail} saved")
+
+
 def heartbeat(seconds: float, latest: str, said: str) -> str:
     """The line saying pip is still at work after ``seconds``: with its
     ``latest`` line if that is not what was shown last (``said``)."""
@@ -226,7 +255,9 @@ def ensure(root: Path, demo_only: bool = False) -> Path:
 _CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
-def _side_env(env_dir: Path, state: str, packages: list[str], what: str) -> Path:
+def _side_env(
+    root: Path, env_dir: Path, state: str, packages: list[str], what: str
+) -> Path:
     """Return the python of the environment ``env_dir`` holding ``packages``,
     made afresh unless it was last made for the same ``state``.
     """
@@ -241,6 +272,7 @@ def _side_env(env_dir: Path, state: str, packages: list[str], what: str) -> Path
     pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
     _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
     _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
+    share_files(env_dir, root)
     marker.write_text(state)
     return python
 
@@ -252,6 +284,7 @@ def ensure_unpatched(root: Path) -> Path:
     """
     wheel = upstream.fetch(upstream.CPU_WHEEL)
     return _side_env(
+        root,
         root / "build" / "venv-unpatched",
         upstream.CPU_WHEEL.sha256,
         [str(wheel), "-r", str(root / TEST_REQUIREMENTS)],
@@ -268,6 +301,7 @@ def ensure_lmcache(root: Path) -> Path:
     numpy, protobuf, opentelemetry and grpcio. Redone when the stack changed.
     """
     return _side_env(
+        root,
         root / "build" / "venv-lmcache",
         f"{LMCACHE}\n{_stack_digest(root)}",
         [str(root), LMCACHE],

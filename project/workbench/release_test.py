@@ -144,6 +144,7 @@ def ensure_env(root: Path) -> Path:
         log,
         env=_build_env(RELEASE),
     )
+    devenv.share_files(where, root)
     marker.write_text(digest)
     return python
 
