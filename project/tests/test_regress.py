@@ -252,6 +252,10 @@ def test_record_then_compare_is_clean(tree: Path, capsys) -> None:
     header = [line for line in baseline.read_text().splitlines() if line[0] == "#"]
     assert "# Selection: tests" in header
     assert "# Command: ./wb regress --record --python '<python>' tests" in header
+    # A command that records through regress (release-test) names itself.
+    assert regress.main([*argv, "--record", "--made-by", "./wb x --record"]) == 0
+    header = [line for line in baseline.read_text().splitlines() if line[0] == "#"]
+    assert header[-1] == "# Command: ./wb x --record"
     # Extra pytest arguments pass through after --.
     assert regress.main([*argv, "--", "-k", "not now_fails"]) == 0
     assert "regress: PASS: 0 regressions" in capsys.readouterr().out

@@ -473,6 +473,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write the baseline from this run (use the unpatched build)",
     )
+    p.add_argument(
+        "--made-by",
+        metavar="COMMAND",
+        help="with --record: the command the baseline's header names "
+        "(default: this wb regress command)",
+    )
     p.add_argument("--junit", type=Path, help="keep pytest's JUnit XML here")
     p.add_argument(
         "--file-durations", type=Path, help="write seconds per test file here"
@@ -532,18 +538,23 @@ def main(argv: Sequence[str]) -> int:
             raise WorkbenchError("no test passed; not recording an empty baseline")
         build = run.installed or Installed(Path(), None, None)
         name, version = build.dist or "vllm", build.version or "?"
-        command = ["./wb", "regress", "--record", "--python", "<python>"]
-        command += ["--fast"] if args.fast else []
-        command += args.paths
         header = [
             f"Upstream tests that pass on the unpatched {name} {version} build,",
             "offline, on CPU, from the pristine sdist's tests/.",
             f"Selection: {' '.join(selection)}",
             f"Outcomes: {tally} ({run.seconds / 60:.0f} min on {os.cpu_count()} cores)",
-            f"Command: {shlex.join(command)}",
-            f"  (<python>: an interpreter with {name}=={version} and "
-            "project/requirements-test.txt)",
         ]
+        if args.made_by:
+            header.append(f"Command: {args.made_by}")
+        else:
+            command = ["./wb", "regress", "--record", "--python", "<python>"]
+            command += ["--fast"] if args.fast else []
+            command += args.paths
+            header += [
+                f"Command: {shlex.join(command)}",
+                f"  (<python>: an interpreter with {name}=={version} and "
+                "project/requirements-test.txt)",
+            ]
         write_baseline(args.baseline, run.outcomes, header)
         passed = counts(run.outcomes)["passed"]
         print(f"recorded {passed} passing tests in {args.baseline}")

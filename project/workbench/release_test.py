@@ -248,7 +248,13 @@ def main(root: Path, argv: Sequence[str]) -> int:
     if "--record" in options:
         pristine = upstream.next_pristine_tree()
         install_tree(python, pristine, RELEASE)
-        return regress.main([*common, "--tests-from", str(pristine), *selection])
+        made_by = (
+            "./wb release-test --record (./wb regress --record on the "
+            "release-test environment, the selection above)"
+        )
+        return regress.main(
+            [*common, "--tests-from", str(pristine), "--made-by", made_by, *selection]
+        )
     tree = derive.default_tree(root)
     if tree.exists() and unrefreshed_work(tree):
         print(f"testing {tree} as it is: it holds edits not yet refreshed")
