@@ -366,6 +366,23 @@ MUTATIONS = [
         '        core.stats.inc("evictions", evicted or 0)\n',
         "test_store_trust.py",
     ),
+    Mutation(
+        "every-rank-counts-store-tokens",
+        "worker_side.py",
+        "        if self.rank == 0:\n"
+        '            self._core.stats.inc("store_loaded_tokens"',
+        '        if True:\n            self._core.stats.inc("store_loaded_tokens"',
+        "test_store_host_tier.py",
+    ),
+    Mutation(
+        "every-rank-counts-tier-tokens",
+        "worker_side.py",
+        "                if self.rank == 0:\n"
+        '                    core.stats.inc("host_tier_loaded_tokens"',
+        "                if True:\n"
+        '                    core.stats.inc("host_tier_loaded_tokens"',
+        "test_store_host_tier.py",
+    ),
 ]
 
 

@@ -315,8 +315,8 @@ def test_pool_take_waits_for_a_run_given_back():
 IDENT = "ident0"
 
 
-def key(i: int) -> str:
-    return f"{IDENT}/{i:064x}.0"
+def key(i: int, rank: int = 0) -> str:
+    return f"{IDENT}/{i:064x}.{rank}"
 
 
 class GatedBackend(DirectoryBackend):
@@ -341,9 +341,11 @@ def make(
     layout: str = "kv-split-blocks-dim1",
     device: str = "cpu",
     tier_blocks: int = 0,
+    rank: int = 0,
 ) -> tuple[StoreCore, WorkerSide, dict[str, torch.Tensor], GatedBackend]:
     """A worker on the batched path; ``tier_blocks`` 0 (the default here)
-    keeps no chunk in host memory, so every load reads the store."""
+    keeps no chunk in host memory, so every load reads the store. ``rank``:
+    the worker's TP rank, of ``rank + 1`` ranks."""
     kv = caches(layout, torch.bfloat16, 3, device)
     store = tmp_path / "store"
     bb = BlockLayout(kv, NB).block_bytes
@@ -355,9 +357,9 @@ def make(
         }
     )
     backend = GatedBackend(store)
-    core = StoreCore(config, backend, IDENT, 1)
+    core = StoreCore(config, backend, IDENT, rank + 1)
     worker = WorkerSide(core, BS)
-    worker.register(kv, NB, 0)  # on a GPU, batched already
+    worker.register(kv, NB, rank)  # on a GPU, batched already
     if device == "cpu":
         worker.start_batched_transfers()
     return core, worker, kv, backend

@@ -247,6 +247,38 @@ def test_loaded_tokens_are_counted_by_where_they_came_from(tmp_path: Path):
     cold.close()
 
 
+def test_only_rank_0_counts_loaded_tokens(tmp_path: Path):
+    """Every rank loads the same tokens (its own heads of them): a rank
+    other than 0 counts its bytes, not the tokens, or TP=2 would report
+    twice the tokens the scheduler asked for."""
+    keys = [[key(b, 0), key(b, 1)] for b in range(3)]
+    core, worker, _, _ = make(tmp_path, tier_blocks=8, rank=1)
+    worker.save(
+        StoreMetadata(saves=[SaveSpec(b, keys[b], req_id="r") for b in range(3)])
+    )
+    worker.finished_saves({"r"})
+    wait_finished(worker, "r")
+
+    def loaded(worker: WorkerSide, stats: Any) -> dict[str, int]:
+        stats.take()
+        spec = LoadSpec("q", None, [4, 5, 6], keys)
+        worker.start_load(StoreMetadata(loads=[spec], sync_loads_first=True))
+        assert worker.take_load_errors() == set()
+        counted = stats.take()
+        assert counted is not None
+        return dict(counted.data)
+
+    hot = loaded(worker, core.stats)
+    assert hot["host_tier_loaded_bytes"] > 0
+    assert "host_tier_loaded_tokens" not in hot
+    cold_core, cold, _, _ = make(tmp_path, tier_blocks=8, rank=1)
+    from_store = loaded(cold, cold_core.stats)
+    assert from_store["loaded_bytes"] > 0
+    assert "store_loaded_tokens" not in from_store
+    worker.close()
+    cold.close()
+
+
 def test_evicted_chunk_is_read_from_the_store_and_kept_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
