@@ -293,17 +293,20 @@ def ensure_unpatched(root: Path) -> Path:
 
 
 LMCACHE = "lmcache==0.5.6"
+LMCACHE_CONSTRAINTS = "project/constraints-lmcache.txt"
 
 
 def ensure_lmcache(root: Path) -> Path:
     """Return the python of ``build/venv-lmcache``: the patched vLLM and the
     real ``lmcache``, apart from ``.venv`` because ``lmcache`` downgrades
-    numpy, protobuf, opentelemetry and grpcio. Redone when the stack changed.
+    numpy, protobuf, opentelemetry and grpcio. Redone when the stack or the
+    constraints changed.
     """
+    constraints = root / LMCACHE_CONSTRAINTS
     return _side_env(
         root,
         root / "build" / "venv-lmcache",
-        f"{LMCACHE}\n{_stack_digest(root)}",
-        [str(root), LMCACHE],
+        f"{LMCACHE}\n{constraints.read_text()}\n{_stack_digest(root)}",
+        [str(root), LMCACHE, "-c", str(constraints)],
         f"the patched vLLM and {LMCACHE}",
     )
