@@ -113,5 +113,3 @@ def test_a_side_environment_links_the_files_dot_venv_holds_byte_for_byte(
     assert (side / "vllm/_C.so").read_bytes() == b"release" * 2000
     assert not same("lib/libgomp.so", "lib/libgomp-renamed.so")
     assert "linked" in capsys.readouterr().out
-
-    devenv.share_files(main, tmp_path)  # .venv itself: nothing to share with

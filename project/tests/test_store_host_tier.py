@@ -170,16 +170,27 @@ def test_slot_a_load_copies_from_stays_its_own_when_the_key_is_saved_again():
     assert tier.reserve(1, wait=False) == old
 
 
-def saved(worker: WorkerSide, blocks: range | list[int], req_id: str) -> None:
+def keys(block: int, ranks: int) -> list[str]:
+    """The chunk keys of ``block``, one per TP rank."""
+    return [key(block, rank) for rank in range(ranks)]
+
+
+def saved(
+    worker: WorkerSide, blocks: range | list[int], req_id: str, ranks: int = 1
+) -> None:
     worker.save(
-        StoreMetadata(saves=[SaveSpec(b, [key(b)], req_id=req_id) for b in blocks])
+        StoreMetadata(
+            saves=[SaveSpec(b, keys(b, ranks), req_id=req_id) for b in blocks]
+        )
     )
     worker.finished_saves({req_id})
     wait_finished(worker, req_id)
 
 
-def load(worker: WorkerSide, targets: list[int], sources: list[int]) -> set[int]:
-    spec = LoadSpec("q", None, targets, [[key(b)] for b in sources])
+def load(
+    worker: WorkerSide, targets: list[int], sources: list[int], ranks: int = 1
+) -> set[int]:
+    spec = LoadSpec("q", None, targets, [keys(b, ranks) for b in sources])
     worker.start_load(StoreMetadata(loads=[spec], sync_loads_first=True))
     return worker.take_load_errors()
 
@@ -251,30 +262,20 @@ def test_only_rank_0_counts_loaded_tokens(tmp_path: Path):
     """Every rank loads the same tokens (its own heads of them): a rank
     other than 0 counts its bytes, not the tokens, or TP=2 would report
     twice the tokens the scheduler asked for."""
-    keys = [[key(b, 0), key(b, 1)] for b in range(3)]
     core, worker, _, _ = make(tmp_path, tier_blocks=8, rank=1)
-    worker.save(
-        StoreMetadata(saves=[SaveSpec(b, keys[b], req_id="r") for b in range(3)])
-    )
-    worker.finished_saves({"r"})
-    wait_finished(worker, "r")
-
-    def loaded(worker: WorkerSide, stats: Any) -> dict[str, int]:
-        stats.take()
-        spec = LoadSpec("q", None, [4, 5, 6], keys)
-        worker.start_load(StoreMetadata(loads=[spec], sync_loads_first=True))
-        assert worker.take_load_errors() == set()
-        counted = stats.take()
-        assert counted is not None
-        return dict(counted.data)
-
-    hot = loaded(worker, core.stats)
-    assert hot["host_tier_loaded_bytes"] > 0
-    assert "host_tier_loaded_tokens" not in hot
+    saved(worker, range(3), "r", ranks=2)
+    core.stats.take()
+    assert load(worker, [4, 5, 6], [0, 1, 2], ranks=2) == set()
+    hot = core.stats.take()
+    assert hot is not None
+    assert hot.data["host_tier_loaded_bytes"] > 0
+    assert "host_tier_loaded_tokens" not in hot.data
     cold_core, cold, _, _ = make(tmp_path, tier_blocks=8, rank=1)
-    from_store = loaded(cold, cold_core.stats)
-    assert from_store["loaded_bytes"] > 0
-    assert "store_loaded_tokens" not in from_store
+    assert load(cold, [4, 5, 6], [0, 1, 2], ranks=2) == set()
+    from_store = cold_core.stats.take()
+    assert from_store is not None
+    assert from_store.data["loaded_bytes"] > 0
+    assert "store_loaded_tokens" not in from_store.data
     worker.close()
     cold.close()
 

@@ -160,7 +160,7 @@ def share_files(env_dir: Path, root: Path) -> None:
     """
     main = root / ".venv"
     hardlink = shutil.which("hardlink")
-    if hardlink is None or not main.is_dir() or env_dir.resolve() == main.resolve():
+    if hardlink is None or not main.is_dir():
         return
     # pip stamps the install time on every file, so times differ; ``.py``
     # files stay apart because a link would give them the other copy's
