@@ -12,6 +12,11 @@ every process serves the same model and answers depend on the context).
     python project/bench/gpu_ttft.py --plan 2 --out results/   # V1, graphs, load_async
     python project/bench/gpu_ttft.py --plan-only               # the time plan alone
     python project/bench/gpu_ttft.py --summarize results/      # summary.md again
+    python3 project/bench/gpu_ttft.py --kit build/bundle --out results/  # offline
+
+``--kit`` installs the kit ``./wb bundle`` built (``offline_kit.py``; once
+per kit, reused after) and runs every process with it on ``PYTHONPATH``:
+the one command a GPU host without a package index needs.
 
 Plan 1 runs on Model Runner V2 at 4k and 32k tokens: recompute (no
 connector), OffloadingConnector, StoreConnector (first request, hot hit),
@@ -34,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -44,7 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import machine as bench_machine
 from gpu_plan import GREEDY, TOKENS, make_plan, render_plan, summarize
+from offline_kit import KitError, install, with_site
 
 LLAMA_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -154,6 +160,9 @@ def child(spec: dict[str, Any]) -> None:
     """One process of the plan: its steps, each figure appended at once."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # Greedy requests only; FlashInfer (its sampler's default) is neither in
+    # the kit nor in the GPU image, and the check imports it.
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if spec["runner"] == "v2" else "0"
     # On CPU (--tiny) vLLM would take most of the host's memory for KV.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -294,7 +303,7 @@ def child(spec: dict[str, Any]) -> None:
 
 
 def machine() -> str:
-    """The GPU, driver and host CPU, as one line."""
+    """The GPU, driver and host CPU (with its dtype flags), as one line."""
     gpu = "no GPU"
     with_smi = shutil.which("nvidia-smi")
     if with_smi:
@@ -303,13 +312,7 @@ def machine() -> str:
              "--format=csv,noheader"],
             capture_output=True, text=True, check=False,
         ).stdout.strip().replace("\n", "; ")  # fmt: skip
-    cpu = platform.processor() or "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{gpu} | {cpu}, {os.cpu_count()} cores"
+    return f"{gpu} | {bench_machine.describe()}"
 
 
 def main() -> int:
@@ -322,6 +325,12 @@ def main() -> int:
                    "and a process still running at the end is stopped")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-ttft")))
     p.add_argument("--tiny", action="store_true", help="a 2-layer model, on CPU")
+    p.add_argument("--kit", type=Path,
+                   help="run with the kit ./wb bundle wrote to this folder, "
+                   "installed first if it is not yet")  # fmt: skip
+    p.add_argument("--kit-dest", type=Path,
+                   help="where the kit is installed "
+                   "(default: ~/.cache/kvlc-kit/SHA)")  # fmt: skip
     p.add_argument("--plan-only", action="store_true",
                    help="print the time plan and exit")  # fmt: skip
     p.add_argument("--summarize", type=Path, metavar="DIR",
@@ -333,6 +342,13 @@ def main() -> int:
         print(text, end="")
         return 0
     t_start = time.monotonic()
+    if args.kit and not args.plan_only:
+        try:
+            site = install(args.kit, args.kit_dest)
+        except KitError as e:
+            print(f"gpu_ttft: {e}", file=sys.stderr)
+            return 1
+        os.environ.update(with_site(site))
     plan = make_plan(args.plan, args.tiny, args.budget_s)
     print("\n".join(render_plan(plan)), flush=True)
     if args.plan_only:

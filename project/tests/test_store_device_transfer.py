@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import driver_run
 import pytest
 import torch
+from kvlc_store import device_transfer
 from kvlc_store.backends import BackendUnavailable, Data, DirectoryBackend
 from kvlc_store.chunk import HEADER_BYTES
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore, make_backend
-from kvlc_store import device_transfer
 from kvlc_store.device_transfer import DeviceTransfer, HostPool, host_copy_batch
 from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
@@ -224,6 +224,21 @@ class _Event:
 
     def synchronize(self) -> None:
         pass
+
+
+def test_by_default_loads_and_saves_get_a_side_stream_each(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """What a CUDA worker's ``DeviceTransfer`` makes when not given streams:
+    two, not one shared (a hit would queue behind a multi-GB save)."""
+    made: list[_Stream] = []
+    monkeypatch.setattr(
+        device_transfer,
+        "_new_stream",
+        lambda device: made.append(_Stream("s")) or made[-1],
+    )
+    load, save = device_transfer.side_streams(torch.device("cuda"))
+    assert load is not save and [load, save] == made
 
 
 @pytest.mark.parametrize("layout", ["kv-split-blocks-dim1", "hnd-strided"])

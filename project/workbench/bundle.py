@@ -1,75 +1,86 @@
-"""``./wb bundle``: what a CUDA host without a package index needs to run the
-stack, in pieces small enough to send one at a time.
+"""``./wb bundle``: the kit a GPU host without a package index installs the
+stack from, small enough to travel with the repository in one transfer.
 
-An air-gapped GPU server (or a lent one that reaches no index and takes a
-few tens of MiB per transfer) cannot ``pip install`` the stack. The bundle
-holds, as wheels:
+A lent GPU machine (or an air-gapped server) reaches no index and takes a
+few tens of MiB per transfer: 64 MiB in all for a lent one, the repository's
+tracked files included. The kit is one xz-compressed tar of a ready site
+directory, beside ``kit.json`` (its sha256, size, Python, device and the
+modules its install imports). It holds what the host's own packages lack:
 
-- the patched CUDA build (``build.HOPPER``): the pinned release wheel with
-  the stack applied, less the kernels dense models on Hopper do not use
-  (FlashAttention 2, MoE, MLA, DeepGEMM, Blackwell), stored uncompressed in
-  its zip so the archive's xz compresses the kernels themselves; its torch
-  requirement is ``torch>=2.11`` instead of the release's ``torch==2.13.0``
-  (see ``HOPPER``);
-- the dependencies a stock CUDA image with torch lacks, pinned
-  (``data/offline-pure.txt``: pure-Python wheels; ``data/offline-compiled.txt``:
-  compiled ones, for the host's Python, ``--python-version``);
-- the reference connector (``kvlc-store-connector``), built from this tree.
+- the patched vLLM (the pinned release wheel with the stack applied, as
+  ``build.repack`` makes it), for the CUDA kit trimmed to dense models on
+  Hopper (``build.HOPPER``'s dropped kernels) and with every CUDA library's
+  device code cut to what sm_90 runs (``fatbin.keep_arch``);
+- the pinned dependencies the GPU image lacks that serving a model through
+  the offline ``LLM`` API imports (``data/kit-requirements.txt``; the list,
+  and what was left out and why, is in ``docs/gpu.md``);
+- the reference connector, built from this tree.
 
-They go into one xz-compressed tar, split into pieces of at most
-``--piece-mib`` MiB (``kvlc-bundle.tar.xz.000``, ...), beside ``install.sh``
-and ``SHA256SUMS``. On the host, with every piece in one folder:
-``bash install.sh DEST`` checks the pieces, unpacks them, creates the
-virtual environment ``DEST`` on top of the host's packages
-(``--system-site-packages``: its torch, its CUDA libraries) and installs
-every wheel with ``pip install --no-index --no-deps --find-links``, then
-imports what the bundle names. ``--no-deps``: the host's packages are taken
-as they are (the release pins torch 2.13.0 and CUDA libraries the host may
-hold in other versions); the import check is what tells a gap.
+No torch and no CUDA libraries: the host's are used as they are. The
+install is ``project/bench/offline_kit.py`` (standard library only, any
+Python that has torch): it checks the sum, unpacks into a new folder and
+puts it on ``PYTHONPATH`` ahead of the host's packages.
 
-``--pure`` builds the pure-Python part alone (the connector and
-``offline-pure.txt``): what CI installs offline into a fresh virtual
-environment, without the 326 MB CUDA release wheel.
+``--device cpu`` builds the same kit from the CPU release wheel: what the
+rehearsal (``test_offline_kit.py``) installs into a stand-in for the GPU
+image and runs the benchmark's ``--tiny`` plan with.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from workbench import build
+from workbench import build, fatbin, gitutil, upstream
 from workbench.errors import WorkbenchError
 from workbench.stack import Stack
 
 MIB = 1 << 20
-# The most one transfer to a lent GPU machine takes, the working tree
-# included: a piece leaves room for the tree that travels with it.
-MAX_PIECE_MIB = 64
-PIECE_MIB = 60
-# The Python of the CUDA images the stack is run on (compiled wheels).
+# What one command to a lent GPU machine takes, the repository included.
+TRANSFER_LIMIT_MIB = 64
+# The kit and the tracked files together: room left for the command's own
+# output directory and for a repository that grows.
+TARGET_MIB = 58
+# The Python of the GPU image the kit is for (compiled wheels).
 PYTHON_VERSION = "3.12"
+# Hopper: H100, H200.
+CUDA_ARCH = 90
 MANYLINUX = (5, 12, 17, 24, 27, 28, 31, 34, 35)
 DATA = Path(__file__).resolve().parent / "data"
-PURE_REQUIREMENTS = DATA / "offline-pure.txt"
-COMPILED_REQUIREMENTS = DATA / "offline-compiled.txt"
-ARCHIVE = "kvlc-bundle.tar.xz"
-MANIFEST = "bundle.json"
-# What the full bundle's install imports to call itself done.
-CUDA_IMPORTS = ("torch", "vllm", "vllm._C_stable_libtorch", "kvlc_store.connector")
+REQUIREMENTS = DATA / "kit-requirements.txt"
+ARCHIVE = "kvlc-kit.tar.xz"
+MANIFEST = "kit.json"
+IMPORTS = {
+    "cuda": ("vllm", "vllm._C_stable_libtorch", "kvlc_store.connector"),
+    "cpu": ("vllm", "vllm._C", "kvlc_store.connector"),
+}
+# Never in a kit: the host's own, which the kit must not hide.
+HOST_PACKAGES = ("torch", "triton", "nvidia")
+
+
+@dataclass(frozen=True)
+class Kit:
+    archive: Path
+    manifest: Path
+    bytes: int
+    tracked_bytes: int
+
+    @property
+    def travelling_mib(self) -> float:
+        return (self.bytes + self.tracked_bytes) / MIB
 
 
 def platform_args(python_version: str) -> list[str]:
-    """``pip download`` options for wheels of CPython ``python_version`` on
-    x86-64 Linux (any manylinux a CUDA image's glibc runs) and pure ones."""
+    """``pip`` options for wheels of CPython ``python_version`` on x86-64
+    Linux (any manylinux a CUDA image's glibc runs) and pure ones."""
     args = ["--only-binary=:all:", "--python-version", python_version]
     args += ["--implementation", "cp"]
     for minor in MANYLINUX:
@@ -91,25 +102,8 @@ def _pip(args: list[str], what: str) -> None:
         raise WorkbenchError(f"{what} failed (pip {' '.join(args[:2])}):\n{tail}")
 
 
-def download(requirements: Path, into: Path, python_version: str) -> list[Path]:
-    """The wheels of ``requirements`` (pinned, no dependencies followed)."""
-    before = set(into.glob("*.whl"))
-    _pip(
-        ["download", "--no-deps", "-d", str(into), "-r", str(requirements)]
-        + platform_args(python_version),
-        f"downloading the wheels of {requirements.name}",
-    )
-    return sorted(set(into.glob("*.whl")) - before)
-
-
-def _pure(wheel: Path) -> bool:
-    return wheel.name.endswith("-none-any.whl")
-
-
 def connector_wheel(root: Path, into: Path) -> Path:
-    """The reference connector, built from a copy of ``root``'s tree (a
-    setuptools build writes ``build/`` and ``*.egg-info`` beside its
-    sources)."""
+    """The reference connector, built from a copy of ``root``'s tree."""
     before = set(into.glob("*.whl"))
     with tempfile.TemporaryDirectory(prefix="kvlc-connector-") as tmp:
         source = Path(tmp) / "connector"
@@ -126,28 +120,69 @@ def connector_wheel(root: Path, into: Path) -> Path:
     return wheel
 
 
-def stored(wheel: Path) -> None:
-    """Rewrite ``wheel`` with its members uncompressed: the archive's xz then
-    compresses the kernels themselves, far better than their deflate."""
-    tmp = wheel.with_suffix(".stored")
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w") as dst:
-        for info in src.infolist():
-            stored_info = copy.copy(info)
-            stored_info.compress_type = zipfile.ZIP_STORED
-            with src.open(info) as member, dst.open(stored_info, "w") as out:
-                shutil.copyfileobj(member, out, 16 * MIB)
-    tmp.replace(wheel)
+def populate_site(
+    stack: Stack, root: Path, site: Path, device: str, python_version: str
+) -> list[str]:
+    """Fill ``site`` with what the kit installs; return the cuts made."""
+    wheels = site.parent / "wheels"
+    wheels.mkdir()
+    _pip(
+        ["download", "--no-deps", "-d", str(wheels), "-r", str(REQUIREMENTS)]
+        + platform_args(python_version),
+        f"downloading the wheels of {REQUIREMENTS.name}",
+    )
+    connector_wheel(root, wheels)
+    target = build.HOPPER if device == "cuda" else build.CPU
+    wheels_vllm = site.parent / "vllm-wheel"
+    build.repack(stack, target, wheels_vllm)
+    all_wheels = sorted(map(str, [*wheels.glob("*.whl"), *wheels_vllm.glob("*.whl")]))
+    _pip(
+        ["install", "--no-deps", "--no-index", "--no-compile", "--target", str(site)]
+        + platform_args(python_version)
+        + all_wheels,
+        "installing the kit's wheels into its site directory",
+    )
+    # Console scripts name the build machine's interpreter: use python -m.
+    shutil.rmtree(site / "bin", ignore_errors=True)
+    cuts = [dropped_size(target, name) for name in target.dropped_files]
+    if device != "cuda":
+        return cuts
+    for library in sorted((site / "vllm").rglob("*.so")):
+        before = library.stat().st_size
+        pruned = fatbin.keep_arch(library, CUDA_ARCH)
+        if pruned.zeroed:
+            cuts.append(
+                f"{library.relative_to(site)}: {pruned.zeroed / MIB:.1f} of "
+                f"{before / MIB:.1f} MiB is device code for other GPUs than "
+                f"sm_{CUDA_ARCH} (zeroed; kept {pruned.kept / MIB:.1f} MiB)"
+            )
+    return cuts
 
 
-def split(archive: Path, out: Path, piece_bytes: int) -> list[Path]:
-    """``archive`` as consecutive pieces ``<name>.000``, ... in ``out``."""
-    pieces: list[Path] = []
-    with archive.open("rb") as f:
-        while chunk := f.read(piece_bytes):
-            piece = out / f"{archive.name}.{len(pieces):03d}"
-            piece.write_bytes(chunk)
-            pieces.append(piece)
-    return pieces
+def dropped_size(target: build.ReleaseBuild, name: str) -> str:
+    with zipfile.ZipFile(upstream.fetch(target.release)) as wheel:
+        size = sum(
+            i.file_size
+            for i in wheel.infolist()
+            if i.filename == name or i.filename.startswith(name + "/")
+        )
+    return f"{name}: {size / MIB:.1f} MiB, left out ({target.version})"
+
+
+def refuse_host_packages(site: Path) -> None:
+    found = sorted(
+        p.name for p in site.iterdir() if p.name.split("-")[0] in HOST_PACKAGES
+    )
+    if found:
+        raise WorkbenchError(
+            f"the kit would hold {', '.join(found)}: the host's own must not be "
+            f"hidden; remove what pulls them in from {REQUIREMENTS.name}"
+        )
+
+
+def tracked_bytes(root: Path) -> int:
+    names = gitutil.git_text(root, "ls-files", "-z").split("\0")
+    return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
 
 
 def _sha256(path: Path) -> str:
@@ -158,65 +193,99 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def make_bundle(
+def write_archive(site: Path, archive: Path, preset: int) -> None:
+    """``site`` as a reproducible tar (sorted, no owners, fixed times), xz."""
+    tar = archive.with_suffix("")
+
+    def clean(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mtime = 1767225600
+        return info
+
+    with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
+        for path in sorted(site.rglob("*")):
+            if "__pycache__" in path.parts:
+                continue
+            t.add(
+                path, arcname=str(path.relative_to(site)), recursive=False, filter=clean
+            )
+    # Multithreaded: the CUDA kit is ~500 MB before compression.
+    subprocess.run(["xz", f"-{preset}", "-T0", "-f", str(tar)], check=True)
+
+
+def replace_out(out: Path, files: list[Path]) -> None:
+    """Make ``out`` hold exactly ``files`` (moved in): an older kit's files
+    go, anything else there is an error (nothing not ours is deleted)."""
+    ours = {ARCHIVE, MANIFEST}
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        if foreign:
+            raise WorkbenchError(
+                f"{out} holds {', '.join(foreign)}, not a kit's: name an empty "
+                "or new folder with --out"
+            )
+        for name in ours:
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.move(str(f), out / f.name)
+
+
+def make_kit(
     stack: Stack,
     root: Path,
     out: Path,
-    piece_mib: int = PIECE_MIB,
+    device: str = "cuda",
     python_version: str = PYTHON_VERSION,
-    pure: bool = False,
-) -> list[Path]:
-    """Build the bundle into ``out`` (emptied first); return its files:
-    the pieces, ``install.sh`` and ``SHA256SUMS``."""
-    if not 1 <= piece_mib <= MAX_PIECE_MIB:
-        raise WorkbenchError(
-            f"--piece-mib {piece_mib}: a piece must be 1 to {MAX_PIECE_MIB} MiB "
-            "(what one transfer to a lent GPU machine takes)"
-        )
+    preset: int = 9,
+) -> Kit:
+    """Build the kit into ``out`` (an older kit there is replaced whole),
+    compressed with xz ``-preset`` (9: smallest; 0: fastest, for tests)."""
     if shutil.which("xz") is None:
         raise WorkbenchError("./wb bundle needs xz (apt-get install xz-utils)")
-    with tempfile.TemporaryDirectory(prefix="kvlc-bundle-") as tmp:
-        wheels = Path(tmp) / "wheels"
-        wheels.mkdir()
-        pure_wheels = download(PURE_REQUIREMENTS, wheels, python_version)
-        impure = [w.name for w in pure_wheels if not _pure(w)]
-        if impure:
-            raise WorkbenchError(
-                f"{', '.join(impure)}: not pure-Python wheels; move them from "
-                f"{PURE_REQUIREMENTS.name} to {COMPILED_REQUIREMENTS.name}"
+    with tempfile.TemporaryDirectory(prefix="kvlc-kit-") as tmp:
+        site = Path(tmp) / "site"
+        site.mkdir()
+        cuts = populate_site(stack, root, site, device, python_version)
+        refuse_host_packages(site)
+        archive = Path(tmp) / ARCHIVE
+        write_archive(site, archive, preset)
+        size = archive.stat().st_size
+        manifest = Path(tmp) / MANIFEST
+        manifest.write_text(
+            json.dumps(
+                {
+                    "archive": ARCHIVE,
+                    "sha256": _sha256(archive),
+                    "bytes": size,
+                    "python": python_version,
+                    "device": device,
+                    "cuda_arch": CUDA_ARCH if device == "cuda" else None,
+                    "vllm": (build.HOPPER if device == "cuda" else build.CPU).version,
+                    "release": upstream.RELEASE,
+                    "commit": gitutil.git_text(root, "rev-parse", "HEAD").strip(),
+                    "imports": list(IMPORTS[device]),
+                    "cuts": cuts,
+                },
+                indent=1,
             )
-        connector_wheel(root, wheels)
-        imports: tuple[str, ...] = ()
-        if not pure:
-            download(COMPILED_REQUIREMENTS, wheels, python_version)
-            vllm = build.repack(stack, build.HOPPER, wheels)
-            stored(vllm)
-            imports = CUDA_IMPORTS
-        names = sorted(w.name for w in wheels.glob("*.whl"))
-        manifest = {
-            "python": python_version,
-            "part": "pure-Python" if pure else "CUDA (dense models on Hopper)",
-            "wheels": names,
-            "imports": list(imports),
-        }
-        (wheels / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        tar = Path(tmp) / ARCHIVE.removesuffix(".xz")
-        with tarfile.open(tar, "w") as t:
-            t.add(wheels, arcname="wheels")
-        # Multithreaded xz: the CUDA part is ~700 MB before compression.
-        subprocess.run(["xz", "-9", "-T0", str(tar)], check=True)
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        pieces = split(Path(tmp) / ARCHIVE, out, piece_mib * MIB)
-    script = out / "install.sh"
-    script.write_text((DATA / "offline-install.sh").read_text())
-    script.chmod(0o755)
-    sums = out / "SHA256SUMS"
-    sums.write_text("".join(f"{_sha256(p)}  {p.name}\n" for p in pieces))
-    return [*pieces, script, sums]
+            + "\n"
+        )
+        replace_out(out, [archive, manifest])
+    kit = Kit(out / ARCHIVE, out / MANIFEST, size, tracked_bytes(root))
+    if kit.travelling_mib > TRANSFER_LIMIT_MIB:
+        raise WorkbenchError(
+            f"the kit and the tracked files are {kit.travelling_mib:.1f} MiB, over "
+            f"the {TRANSFER_LIMIT_MIB} MiB one transfer takes: cut more "
+            f"(docs/gpu.md, 'the kit')"
+        )
+    return kit
 
 
-def describe(files: list[Path]) -> str:
-    lines = [f"{f.name}: {os.path.getsize(f) / MIB:.1f} MiB" for f in files]
-    return "\n".join(lines)
+def describe(kit: Kit) -> str:
+    return (
+        f"{kit.archive.name}: {kit.bytes / MIB:.1f} MiB; with the repository's "
+        f"tracked files {kit.travelling_mib:.1f} MiB travel (limit "
+        f"{TRANSFER_LIMIT_MIB}, target {TARGET_MIB})"
+    )

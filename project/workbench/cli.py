@@ -115,18 +115,18 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_bundle(args: argparse.Namespace) -> int:
     out = args.out or args.root / "build" / "bundle"
-    files = bundle.make_bundle(
+    kit = bundle.make_kit(
         _stack(args),
         args.root,
         out,
-        piece_mib=args.piece_mib,
+        device=args.device,
         python_version=args.python_version,
-        pure=args.pure,
+        preset=0 if args.fast else 9,
     )
-    print(bundle.describe(files))
+    print(bundle.describe(kit))
     print(
-        f"bundle in {out}: copy its files to the host (each piece may travel "
-        "alone), then run: bash install.sh DEST"
+        f"on the host, from the repository with {out} beside it: python3 "
+        f"project/bench/gpu_ttft.py --kit {out} --out RESULTS (docs/gpu.md)"
     )
     return 0
 
@@ -185,8 +185,14 @@ def _bench_gpu(root: Path, rest: list[str]) -> int:
         )
         return 1
     script = root / "project" / "bench" / "gpu_ttft.py"
-    python = Path(sys.executable) if offline else devenv.ensure(root)
-    return _call([str(python), str(script), *rest])
+    kit = root / "build" / "bundle"
+    if not offline and "--kit" not in rest and (kit / bundle.MANIFEST).is_file():
+        # Built for a host without a package index: .venv cannot be made there.
+        print(f"using the kit in {kit} (./wb bundle)", file=sys.stderr)
+        rest = ["--kit", str(kit), *rest]
+    if offline or "--kit" in rest:
+        return _call([sys.executable, str(script), *rest])
+    return _call([str(devenv.ensure(root)), str(script), *rest])
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -326,16 +332,18 @@ def parser() -> argparse.ArgumentParser:
     sp = add(
         "bundle",
         cmd_bundle,
-        "build what a CUDA host without a package index needs (the patched "
-        "CUDA wheel for dense models on Hopper, missing dependencies, the "
-        "connector), in pieces, with an install script (docs/gpu.md)",
+        "build the kit a GPU host without a package index runs the stack "
+        "from (the patched CUDA build for dense models on Hopper, missing "
+        "dependencies, the connector) in one file of a few tens of MiB "
+        "(docs/gpu.md)",
     )
     sp.add_argument("--out", type=Path, help="default: ROOT/build/bundle")
     sp.add_argument(
-        "--piece-mib",
-        type=int,
-        default=bundle.PIECE_MIB,
-        help=f"largest piece, at most {bundle.MAX_PIECE_MIB} (default: %(default)s)",
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda: the Hopper kit (default); cpu: the same kit from the CPU "
+        "build, what the offline rehearsal installs",
     )
     sp.add_argument(
         "--python-version",
@@ -343,10 +351,9 @@ def parser() -> argparse.ArgumentParser:
         help="the host's Python, for compiled wheels (default: %(default)s)",
     )
     sp.add_argument(
-        "--pure",
+        "--fast",
         action="store_true",
-        help="the pure-Python part alone (the connector and its pure "
-        "dependencies): no CUDA wheel",
+        help="compress fast (xz -0) rather than small: for tests",
     )
     sp = add(
         "rebase-report",

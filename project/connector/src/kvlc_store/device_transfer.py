@@ -52,6 +52,13 @@ from kvlc_store.transfer import BlockLayout, bytes_view, contiguous_runs
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
 _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 
+
+def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """A (load, save) pair: two streams, so a load never queues behind a
+    save's copy (``DeviceTransfer``)."""
+    return _new_stream(device), _new_stream(device)
+
+
 # Above this many runs per block row, a gather through a staging buffer
 # beats one pointer copy per run (FlashAttention: 2, FlashInfer and MLA: 1).
 MAX_RUNS_PER_ROW = 8
@@ -267,7 +274,7 @@ class DeviceTransfer:
         cuda = self.device.type == "cuda"
         self.pool = HostPool(pool_bytes, self.block_bytes, pin=cuda)
         if streams is None and cuda:
-            streams = (_new_stream(self.device), _new_stream(self.device))
+            streams = side_streams(self.device)
         self._load_stream: torch.cuda.Stream | None = None
         self._save_stream: torch.cuda.Stream | None = None
         if streams is not None:
