@@ -51,7 +51,7 @@ NO_INDEX = {
 def entry(kind: int, arch: int, payload: bytes) -> bytes:
     head = struct.pack("<HHIQ", kind, 0x101, 64, len(payload))
     head += bytes(28 - len(head)) + struct.pack("<I", arch)
-    return head + bytes(64 - len(head) - 4) + payload
+    return head + bytes(64 - len(head)) + payload
 
 
 def fat_binary(*entries: bytes) -> bytes:

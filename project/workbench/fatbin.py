@@ -83,13 +83,13 @@ def fat_binaries(data: bytes | bytearray) -> list[tuple[int, int, list[Entry]]]:
     start, size = found
     out = []
     pos = start
-    while pos < start + size:
-        magic, _version, header_size, entries_size = struct.unpack_from(
+    magic = struct.pack("<I", FATBIN_MAGIC)
+    while (pos := data.find(magic, pos, start + size)) != -1:
+        # Found between fat binaries (padding), never inside one: each is
+        # stepped over whole by its sizes.
+        _magic, _version, header_size, entries_size = struct.unpack_from(
             "<IHHQ", data, pos
         )
-        if magic != FATBIN_MAGIC:
-            pos += 8  # fat binaries are 8-byte aligned, zero-padded between
-            continue
         entries = []
         e = pos + header_size
         end = e + entries_size
