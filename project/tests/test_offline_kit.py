@@ -145,6 +145,15 @@ def test_a_folder_holding_other_files_is_not_emptied(tmp_path: Path):
     assert (out / bundle.ARCHIVE).read_bytes() == b"old"
 
 
+def test_a_cuda_kit_that_would_not_fit_one_transfer_is_refused(tmp_path: Path):
+    limit = bundle.TRANSFER_LIMIT_MIB * bundle.MIB
+    fits = bundle.Kit(tmp_path / "a", tmp_path / "m", limit - 1000, 1000)
+    bundle.refuse_oversized(fits)
+    over = bundle.Kit(tmp_path / "a", tmp_path / "m", limit - 999, 1000)
+    with pytest.raises(WorkbenchError, match="64.0 MiB, over the 64 MiB"):
+        bundle.refuse_oversized(over)
+
+
 # -- the installer, on a small kit ---------------------------------------------
 
 

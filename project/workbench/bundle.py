@@ -274,13 +274,21 @@ def make_kit(
         )
         replace_out(out, [archive, manifest])
     kit = Kit(out / ARCHIVE, out / MANIFEST, size, tracked_bytes(root))
+    if device == "cuda":
+        refuse_oversized(kit)
+    return kit
+
+
+def refuse_oversized(kit: Kit) -> None:
+    """A CUDA kit travels to a lent GPU machine: with the tracked files, it
+    must fit one transfer. (A CPU kit is the rehearsal's, built and used on
+    the machine it was built on.)"""
     if kit.travelling_mib > TRANSFER_LIMIT_MIB:
         raise WorkbenchError(
             f"the kit and the tracked files are {kit.travelling_mib:.1f} MiB, over "
             f"the {TRANSFER_LIMIT_MIB} MiB one transfer takes: cut more "
-            f"(docs/gpu.md, 'the kit')"
+            f"(docs/gpu.md, 'The kit'); the kit was written to {kit.archive.parent}"
         )
-    return kit
 
 
 def describe(kit: Kit) -> str:
