@@ -52,6 +52,13 @@ for name in names:
     if not (module.__file__ or "").startswith(site):
         sys.exit(f"{name} was imported from {module.__file__}, not the kit at {site}")
     print(f"import {name}: {getattr(module, '__version__', 'ok')}")
+if "vllm" in names:
+    # The kernels the way vLLM loads them (the CPU build picks a library by
+    # the CPU's flags), and one op vLLM calls through them.
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+    torch.ops._C.rms_norm
+    print(f"vLLM kernels loaded ({type(current_platform).__name__})")
 """
 
 

@@ -60,7 +60,9 @@ ARCHIVE = "kvlc-kit.tar.xz"
 MANIFEST = "kit.json"
 IMPORTS = {
     "cuda": ("vllm", "vllm._C_stable_libtorch", "kvlc_store.connector"),
-    "cpu": ("vllm", "vllm._C", "kvlc_store.connector"),
+    # vLLM picks the CPU build's kernel library by the CPU's flags
+    # (offline_kit.py loads it as vLLM does).
+    "cpu": ("vllm", "kvlc_store.connector"),
 }
 # Never in a kit: the host's own, which the kit must not hide.
 HOST_PACKAGES = ("torch", "triton", "nvidia")
