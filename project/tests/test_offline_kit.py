@@ -321,7 +321,7 @@ def test_one_call_installs_the_kit_and_runs_plan_one_offline(
     # The stand-in's own torch, the kit's vLLM and connector.
     assert f"(the host's: {standin}" in run.stdout
     site = tmp_path / "kvlc-kit"  # --kit-dest "${TMPDIR:-/tmp}/kvlc-kit"
-    assert not (home / ".cache").exists()
+    assert not (home / ".cache" / "kvlc-kit").exists()
     assert f"import vllm: {kit['vllm']}" in run.stdout
     assert f"kit installed at {site}" in run.stdout
     (results,) = [p for p in out.rglob("results.jsonl")]
