@@ -383,6 +383,13 @@ MUTATIONS = [
         '                    core.stats.inc("host_tier_loaded_tokens"',
         "test_store_host_tier.py",
     ),
+    Mutation(
+        "loads-and-saves-share-a-stream",
+        "device_transfer.py",
+        "    return _new_stream(device), _new_stream(device)\n",
+        "    shared = _new_stream(device)\n    return shared, shared\n",
+        "test_store_device_transfer.py",
+    ),
 ]
 
 

@@ -118,10 +118,16 @@ def test_the_cut_keeps_what_sm90_runs_in_place(tmp_path: Path):
 
 
 def test_a_new_kit_replaces_an_older_bigger_one_whole(tmp_path: Path):
+    """Also what ./wb bundle wrote before the kit: pieces of an archive,
+    their sums and an installer, which a later install would read beside
+    the new files (``xz: Compressed data is corrupt``)."""
     out = tmp_path / "kit"
     out.mkdir()
     (out / bundle.ARCHIVE).write_bytes(b"old" * 1000)
     (out / bundle.MANIFEST).write_text("{}")
+    for name in ("kvlc-bundle.tar.xz.000", "kvlc-bundle.tar.xz.001", "SHA256SUMS",
+                 "install.sh"):  # fmt: skip
+        (out / name).write_text("old")
     new = tmp_path / "new"
     new.mkdir()
     files = [new / bundle.ARCHIVE, new / bundle.MANIFEST]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -216,19 +217,27 @@ def write_archive(site: Path, archive: Path, preset: int) -> None:
     subprocess.run(["xz", f"-{preset}", "-T0", "-f", str(tar)], check=True)
 
 
+# What ./wb bundle wrote before the kit: pieces, their sums, an installer.
+_OLD_BUNDLE = re.compile(r"kvlc-bundle\.tar\.xz\.\d{3}|SHA256SUMS|install\.sh")
+
+
+def _ours(name: str) -> bool:
+    return name in (ARCHIVE, MANIFEST) or _OLD_BUNDLE.fullmatch(name) is not None
+
+
 def replace_out(out: Path, files: list[Path]) -> None:
-    """Make ``out`` hold exactly ``files`` (moved in): an older kit's files
-    go, anything else there is an error (nothing not ours is deleted)."""
-    ours = {ARCHIVE, MANIFEST}
+    """Make ``out`` hold exactly ``files`` (moved in): an older kit's or
+    bundle's files go (a stale piece would be read with the new ones),
+    anything else there is an error (nothing not ours is deleted)."""
     if out.exists():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        foreign = sorted(p.name for p in out.iterdir() if not _ours(p.name))
         if foreign:
             raise WorkbenchError(
                 f"{out} holds {', '.join(foreign)}, not a kit's: name an empty "
                 "or new folder with --out"
             )
-        for name in ours:
-            (out / name).unlink(missing_ok=True)
+        for old in out.iterdir():
+            old.unlink()
     out.mkdir(parents=True, exist_ok=True)
     for f in files:
         shutil.move(str(f), out / f.name)
