@@ -23,8 +23,9 @@ ESTIMATES: dict[str, dict[str, float]] = {
         # The first process: run 1's first engine start took 29.8 s, the
         # others 8-17 s (file caches cold).
         "first_process_s": 20.0,
-        # CUDA graph capture on top of an eager start (estimate).
-        "graphs_s": 30.0,
+        # CUDA graph capture and torch.compile on top of an eager start: run
+        # 3's process with graphs took 115 s, the same process eager 61 s.
+        "graphs_s": 55.0,
         # A recompute of L tokens is a*L + b*L^2: fitted to run 1's 0.098 s
         # at 4k and 1.247 s at 32k (Llama-3.1-8B shape, bf16, V2).
         "prefill_a": 2.19e-5,
