@@ -331,4 +331,6 @@ def test_one_call_installs_the_kit_and_runs_plan_one_offline(
     assert f"import vllm: {kit['vllm']}" in run.stdout
     assert f"kit installed at {site}" in run.stdout
     (results,) = [p for p in out.rglob("results.jsonl")]
+    # Nothing in the kit names the folders it was built in.
+    assert not list(site.glob("*.dist-info/direct_url.json"))
     check_tiny_plan_one(run.stdout, results.parent)

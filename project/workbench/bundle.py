@@ -145,8 +145,11 @@ def populate_site(
         + all_wheels,
         "installing the kit's wheels into its site directory",
     )
-    # Console scripts name the build machine's interpreter: use python -m.
+    # Console scripts name the build machine's interpreter (use python -m);
+    # direct_url.json names the temporary folder the wheels were in.
     shutil.rmtree(site / "bin", ignore_errors=True)
+    for record in site.glob("*.dist-info/direct_url.json"):
+        record.unlink()
     cuts = [dropped_size(target, name) for name in target.dropped_files]
     if device != "cuda":
         return cuts
