@@ -124,9 +124,10 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         preset=0 if args.fast else 9,
     )
     print(bundle.describe(kit))
+    where = out.relative_to(args.root) if out.is_relative_to(args.root) else out
     print(
-        f"on the host, from the repository with {out} beside it: python3 "
-        f"project/bench/gpu_ttft.py --kit {out} --out RESULTS (docs/gpu.md)"
+        f"send the repository with {where}; from its root on the host: python3 "
+        f"project/bench/gpu_ttft.py --kit {where} --out RESULTS (docs/gpu.md)"
     )
     return 0
 
