@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from test_gpu_ttft_tiny import check_tiny_plan_one
-from workbench import bundle, devenv, fatbin
+from workbench import bundle, devenv, fatbin, upstream
 from workbench.errors import WorkbenchError
 
 sys.path.insert(0, str(REPO / "project" / "bench"))
@@ -178,7 +178,7 @@ def small_kit(tmp_path: Path, modules: dict[str, str], imports: list[str]) -> Pa
             t.add(path, arcname=str(path.relative_to(site)), recursive=False)
     manifest = {
         "archive": bundle.ARCHIVE,
-        "sha256": bundle._sha256(archive),
+        "sha256": upstream.sha256_of(archive),
         "bytes": archive.stat().st_size,
         "python": "{}.{}".format(*sys.version_info[:2]),
         "vllm": "test",

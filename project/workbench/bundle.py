@@ -28,7 +28,6 @@ image and runs the benchmark's ``--tiny`` plan with.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -65,6 +64,8 @@ IMPORTS = {
     # (offline_kit.py loads it as vLLM does).
     "cpu": ("vllm", "kvlc_store.connector"),
 }
+# The release build each kit is made from.
+BUILDS = {"cuda": build.HOPPER, "cpu": build.CPU}
 # Never in a kit: the host's own, which the kit must not hide.
 HOST_PACKAGES = ("torch", "triton", "nvidia")
 
@@ -135,7 +136,7 @@ def populate_site(
         f"downloading the wheels of {REQUIREMENTS.name}",
     )
     connector_wheel(root, wheels)
-    target = build.HOPPER if device == "cuda" else build.CPU
+    target = BUILDS[device]
     wheels_vllm = site.parent / "vllm-wheel"
     build.repack(stack, target, wheels_vllm)
     all_wheels = sorted(map(str, [*wheels.glob("*.whl"), *wheels_vllm.glob("*.whl")]))
@@ -150,7 +151,7 @@ def populate_site(
     shutil.rmtree(site / "bin", ignore_errors=True)
     for record in site.glob("*.dist-info/direct_url.json"):
         record.unlink()
-    cuts = [dropped_size(target, name) for name in target.dropped_files]
+    cuts = dropped_sizes(target)
     if device != "cuda":
         return cuts
     for library in sorted((site / "vllm").rglob("*.so")):
@@ -165,14 +166,19 @@ def populate_site(
     return cuts
 
 
-def dropped_size(target: build.ReleaseBuild, name: str) -> str:
+def dropped_sizes(target: build.ReleaseBuild) -> list[str]:
+    """Each of ``target.dropped_files`` with its size in the release wheel."""
     with zipfile.ZipFile(upstream.fetch(target.release)) as wheel:
+        members = wheel.infolist()
+    lines = []
+    for name in target.dropped_files:
         size = sum(
             i.file_size
-            for i in wheel.infolist()
+            for i in members
             if i.filename == name or i.filename.startswith(name + "/")
         )
-    return f"{name}: {size / MIB:.1f} MiB, left out ({target.version})"
+        lines.append(f"{name}: {size / MIB:.1f} MiB, left out ({target.version})")
+    return lines
 
 
 def refuse_host_packages(site: Path) -> None:
@@ -189,14 +195,6 @@ def refuse_host_packages(site: Path) -> None:
 def tracked_bytes(root: Path) -> int:
     names = gitutil.git_text(root, "ls-files", "-z").split("\0")
     return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(MIB):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_archive(site: Path, archive: Path, preset: int) -> None:
@@ -271,12 +269,12 @@ def make_kit(
             json.dumps(
                 {
                     "archive": ARCHIVE,
-                    "sha256": _sha256(archive),
+                    "sha256": upstream.sha256_of(archive),
                     "bytes": size,
                     "python": python_version,
                     "device": device,
                     "cuda_arch": CUDA_ARCH if device == "cuda" else None,
-                    "vllm": (build.HOPPER if device == "cuda" else build.CPU).version,
+                    "vllm": BUILDS[device].version,
                     "release": upstream.RELEASE,
                     "commit": gitutil.git_text(root, "rev-parse", "HEAD").strip(),
                     "imports": list(IMPORTS[device]),
