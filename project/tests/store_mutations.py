@@ -87,14 +87,14 @@ MUTATIONS = [
     ),
     Mutation(
         "batched-read-swallows-store-failure",
-        "worker_side.py",
+        "load_path.py",
         "    except BackendUnavailable as e:\n        return checked, e\n",
         "    except BackendUnavailable:\n        return checked, None\n",
         "test_store_load.py",
     ),
     Mutation(
         "open-error-is-a-miss",
-        "backends/directory.py",
+        "backends/chunk_files.py",
         "        fd = os.open(path, _OPEN_CHUNK)\n    except FileNotFoundError:\n",
         "        fd = os.open(path, _OPEN_CHUNK)\n    except OSError:\n",
         "test_store_faults.py",
@@ -237,14 +237,14 @@ MUTATIONS = [
     ),
     Mutation(
         "writable-store-trusts-its-owner",
-        "backends/directory.py",
-        "        if self.read_only:\n            self._trusted_uids.add(st.st_uid)\n",
-        "        self._trusted_uids.add(st.st_uid)\n",
+        "backends/chunk_files.py",
+        "        if read_only:\n            self.uids.add(root_stat.st_uid)\n",
+        "        self.uids.add(root_stat.st_uid)\n",
         "test_store_trust.py",
     ),
     Mutation(
         "group-writable-chunk-served",
-        "backends/directory.py",
+        "backends/chunk_files.py",
         "        others = stat.S_IWOTH | (0 if self.group_access else stat.S_IWGRP)\n",
         "        others = stat.S_IWOTH\n",
         "test_store_trust.py",
@@ -272,14 +272,14 @@ MUTATIONS = [
     ),
     Mutation(
         "chunk-opened-through-links",
-        "backends/directory.py",
+        "backends/chunk_files.py",
         "_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK\n",
         "_OPEN_CHUNK = os.O_RDONLY | os.O_NONBLOCK\n",
         "test_store_trust.py",
     ),
     Mutation(
         "chunk-opened-blocking",
-        "backends/directory.py",
+        "backends/chunk_files.py",
         "_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK\n",
         "_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW\n",
         "test_store_trust.py",
@@ -368,7 +368,7 @@ MUTATIONS = [
     ),
     Mutation(
         "every-rank-counts-store-tokens",
-        "worker_side.py",
+        "load_path.py",
         "        if self.rank == 0:\n"
         '            self._core.stats.inc("store_loaded_tokens"',
         '        if True:\n            self._core.stats.inc("store_loaded_tokens"',
@@ -376,11 +376,26 @@ MUTATIONS = [
     ),
     Mutation(
         "every-rank-counts-tier-tokens",
-        "worker_side.py",
+        "load_path.py",
         "                if self.rank == 0:\n"
         '                    core.stats.inc("host_tier_loaded_tokens"',
         "                if True:\n"
         '                    core.stats.inc("host_tier_loaded_tokens"',
+        "test_store_host_tier.py",
+    ),
+    # -- issue 58: a full disk and a store failing mid-load
+    Mutation(
+        "failed-save-backs-off-reads",
+        "worker_side.py",
+        '            core.unavailable(e, "write")\n',
+        "            core.unavailable(e)\n",
+        "test_store_faults.py",
+    ),
+    Mutation(
+        "tier-load-counts-past-a-store-failure",
+        "load_path.py",
+        "                hits = end - sum(1 for j in misses if j < end)\n",
+        "                hits = end - len(misses)\n",
         "test_store_host_tier.py",
     ),
     Mutation(
@@ -389,6 +404,30 @@ MUTATIONS = [
         "    return _new_stream(device), _new_stream(device)\n",
         "    shared = _new_stream(device)\n    return shared, shared\n",
         "test_store_device_transfer.py",
+    ),
+    # -- the record of checked headers (known_chunks.py)
+    Mutation(
+        "record-outlives-a-reboot",
+        "backends/known_chunks.py",
+        '        return self.record_dir / f"{self._boot}-{self._at}"\n',
+        '        return self.record_dir / f"boot-{self._at}"\n',
+        "test_store_lookup.py",
+    ),
+    Mutation(
+        "record-of-any-owner-taken",
+        "backends/known_chunks.py",
+        "            if st.st_size <= self._record_read or not self._trust.trusted(\n"
+        '                path, st, "record of checked chunks"\n'
+        "            ):\n",
+        "            if st.st_size <= self._record_read:\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "record-vouches-for-chunks-not-known-stored",
+        "backends/known_chunks.py",
+        "            if key in self.stored and self.checked.get(key) != layout\n",
+        "            if self.checked.get(key) != layout\n",
+        "test_store_lookup.py",
     ),
 ]
 

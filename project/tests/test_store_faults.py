@@ -1,6 +1,7 @@
 """The directory store when its file system fails: every error a miss or a
 skipped save (``BackendUnavailable``), counted, logged once, and the store
-back by itself once the file system is.
+back by itself once the file system is. A chunk write that fails for lack
+of space stops a worker's saves, not its reads.
 
 Faults are simulated (monkeypatched ``os`` calls) where a real one needs
 root or a full disk; a deleted directory is real.
@@ -222,6 +223,65 @@ def test_failing_store_is_skipped_with_growing_waits(
     conn.unavailable(hung)  # a new outage starts from the first wait
     now[0] += 5.0
     assert conn.usable() and len(lines) == 5
+
+
+@pytest.mark.parametrize("path", ["host", "batched"])
+def test_full_disk_on_a_worker_save_leaves_its_reads_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+):
+    """A chunk write that fails for lack of space (ENOSPC), through the
+    worker's own save path (the step's writes for a host KV cache; the save
+    thread's for the batched path), is a write failure: counted, told once
+    as skipped saves, the step's other saves skipped. Reads are not backed
+    off: the worker's lookup still hits, and a load still loads and
+    releases its lease and the lookup's."""
+    from kvlc_store import core as core_module
+    from kvlc_store.metadata import LoadSpec, ProbeSpec, SaveSpec, StoreMetadata
+    from test_store_device_transfer import wait_finished
+    from test_store_load import BLOCK, make
+    from test_store_load import key as chunk_key
+
+    warnings: list[str] = []
+    monkeypatch.setattr(
+        core_module.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+    )
+    core, worker, _ = make(tmp_path)
+    if path == "batched":
+        worker.start_batched_transfers()
+
+    def save(blocks: list[int], req_id: str) -> None:
+        worker.save(
+            StoreMetadata(
+                saves=[SaveSpec(b, [chunk_key(b)], req_id=req_id) for b in blocks]
+            )
+        )
+        if path == "batched":  # written by the save thread: wait for it
+            worker.finished_saves({req_id})
+            wait_finished(worker, req_id)
+
+    save([0, 1], "before")
+    monkeypatch.setattr(directory.os, "writev", Failing(errno.ENOSPC, os.writev))
+    save([2, 3], "full")
+    assert core.stats.data["store_errors"] == 1  # the second write skipped
+    assert core.stats.data["stored_chunks"] == 2
+    assert len(warnings) == 1
+    assert "store write failed, skipping saves" in warnings[0]
+    assert "No space left on device" in warnings[0]
+    assert not core.usable("write")
+    assert core.usable()  # reads (lookups, loads, lease releases) go on
+
+    probe = ProbeSpec("found", [4], [[chunk_key(0)]])
+    assert worker.before_update_states(StoreMetadata(probes=[probe])) == {
+        "found": BLOCK
+    }
+    lease = new_lease_id()
+    assert core.backend.lease([chunk_key(1)], lease, 60) == 1
+    load = LoadSpec("hit", lease, [5], [[chunk_key(1)]])
+    worker.start_load(StoreMetadata(loads=[load], sync_loads_first=True))
+    assert worker.take_load_errors() == set()
+    assert list((tmp_path / "store" / "leases").iterdir()) == []  # both released
+    assert core.stats.data["store_errors"] == 1 and len(warnings) == 1
+    worker.close()
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ worker over a real directory store, that a saved chunk loads again without
 reading the store, that an evicted one is read from the store and kept
 again, that a damaged store copy is never what a cached chunk loads, that a
 chunk the store did not take is not kept, that a load that raises leaves no
-slot pinned, and that ``host_tier: 0`` keeps nothing.
+slot pinned, that ``host_tier: 0`` keeps nothing, and that a store failing
+mid-load ends the load there and counts only what loaded.
 """
 
 from __future__ import annotations
@@ -361,9 +362,8 @@ def test_a_load_that_raises_unpins_its_slots(
         raise RuntimeError("injected")
 
     monkeypatch.setattr(core.backend, "read_into", broken)
-    spec = LoadSpec("q", None, [4, 5, 6], [[key(b)] for b in (0, 2, 1)])
     with pytest.raises(RuntimeError, match="injected"):
-        worker._load(spec, None)
+        load(worker, [4, 5, 6], [0, 2, 1])
     assert not +tier._pins
     assert len(tier.reserve(tier.max_batch, wait=False)) == tier.max_batch
     worker.close()
@@ -413,4 +413,48 @@ def test_a_store_failing_mid_read_ends_the_load_there(
     assert payloads(kv, [4, 5]) == [before[0], before[1]]
     assert core.stats.data["store_errors"] == 1
     assert not core.usable()
+    worker.close()
+
+
+def test_a_store_failing_mid_load_counts_only_what_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """One batch of five chunks, 0 and 2 cached: 0 (cached) and 1 (read)
+    load, the store fails on 3, and 5 (not read) and 2 (cached) after it do
+    not load, nor 4 (cached) in the batch that never starts. Every counter
+    is what loaded: one block from the tier, one from the store; none
+    negative, none for a block after the failure."""
+    _, writer, kv, _ = make(tmp_path, tier_blocks=20)
+    before = payloads(kv, range(6))
+    saved(writer, range(6), "r")
+    writer.close()
+    core, worker, kv, backend = make(tmp_path, tier_blocks=20)
+    assert load(worker, [6, 5, 4], [0, 2, 4]) == set()  # now in its tier
+    core.stats.take()
+    read_into = backend.read_into
+
+    def failing(
+        keys: Sequence[str], skip: int, targets: Sequence[Sequence[memoryview]]
+    ) -> Iterator[Head | None]:
+        for k, head in zip(keys, read_into(keys, skip, targets), strict=False):
+            if k == key(3):
+                raise BackendUnavailable("injected")
+            yield head
+
+    monkeypatch.setattr(backend, "read_into", failing)
+    errors = load(worker, [6, 5, 4, 3, 2, 1], [0, 1, 3, 5, 2, 4])
+    assert errors == {4, 3, 2, 1}
+    assert payloads(kv, [6, 5]) == before[:2]
+    counted = core.stats.take()
+    assert counted is not None
+    assert all(value >= 0 for value in counted.data.values()), counted.data
+    bb = BlockLayout(kv, NB).block_bytes
+    assert counted.data == {
+        "host_tier_loaded_bytes": bb,
+        "host_tier_loaded_tokens": BS,
+        "store_loaded_tokens": BS,
+        "loaded_bytes": 2 * (HEADER_BYTES + bb),
+        "store_errors": 1,
+        "load_errors": 4,
+    }
     worker.close()

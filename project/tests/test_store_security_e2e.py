@@ -423,6 +423,20 @@ def store_config(case: str, tmp_path: Path) -> dict | None:
         shared.chmod(0o777)
         (shared / "store").symlink_to(private / "store")
         return {"path": str(shared / "store")}
+    if case == "store through another user's link in a sticky directory":
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        sticky = tmp_path / "sticky"
+        sticky.mkdir()
+        sticky.chmod(0o1777)
+        (sticky / "store").symlink_to(private / "store")
+        os.lchown(sticky / "store", NOBODY, NOBODY)
+        return {"path": str(sticky / "store")}
+    if case == "store under a directory of another user":
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, NOBODY, NOBODY)
+        return {"path": str(theirs / "store")}
     return None
 
 
@@ -459,6 +473,13 @@ REFUSALS = {
     ],
     "store through a link in a directory anyone may write": [
         "shared, above the store, is writable by every user (mode 777)",
+    ],
+    "store through another user's link in a sticky directory": [
+        f"sticky/store is a link of another user (uid {NOBODY}) in a directory "
+        "every user may write",
+    ],
+    "store under a directory of another user": [
+        f"theirs, above the store, belongs to another user (uid {NOBODY})",
     ],
 }
 

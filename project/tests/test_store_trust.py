@@ -35,7 +35,7 @@ from kvlc_store.config import (
 )
 from kvlc_store.core import EVICTIONS_LOG_S, StoreCore
 from kvlc_store.scheduler_side import SchedulerSide
-from test_store_lookup import BLOCK, IDENT, request, store
+from test_store_lookup import BLOCK, IDENT, FileWork, checked_once, make, request, store
 
 KEY = f"{IDENT}/{1:064x}.0"
 DATA = encode_chunk(IDENT, KEY, b"kv" * 500)
@@ -166,7 +166,67 @@ def test_store_through_a_link_in_a_world_writable_directory_is_refused(
     assert config.path == private / "store"
 
 
-@pytest.mark.parametrize("part", ["chunks", "leases"])
+NOBODY = 65534
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="another user's file is made with chown (root)"
+)
+
+
+@as_root
+def test_store_through_another_users_link_in_a_sticky_directory_is_refused(
+    tmp_path: Path,
+):
+    """A sticky directory every user may write (/tmp) keeps others from
+    replacing this user's links, not from planting their own: a root server
+    told to use such a link would follow it wherever its owner points it
+    (``fs.protected_symlinks`` off, the kernel's own default)."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    link = sticky / "store"
+    link.symlink_to(private / "store")
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ValueError, match=rf"{link} is a link of another user"):
+        parse_config({"path": str(link)})
+    assert not (private / "store").exists()
+    os.lchown(link, os.geteuid(), os.getegid())
+    assert parse_config({"path": str(link)}).path == private / "store"
+
+
+@as_root
+def test_directory_above_the_store_of_another_user_is_refused(tmp_path: Path):
+    """Whoever owns a directory above the store can rename the store away
+    and put theirs in its place, generation file and all."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(
+        ValueError, match=rf"{theirs}, above the store, belongs to another user"
+    ):
+        parse_config({"path": str(theirs / "store")})
+    os.chown(theirs, os.geteuid(), os.getegid())
+    parse_config({"path": str(theirs / "store")})
+
+
+def test_directory_holding_other_files_is_not_made_a_store(tmp_path: Path):
+    """A path that names a directory of other files (a typo, a home
+    directory) is refused before anything is written into it; an empty one
+    and an existing store are taken."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files that are not a store's \(notes"):
+        parse_config({"path": str(home)})
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
+    (home / "notes.txt").unlink()
+    parse_config({"path": str(home)})
+    DirectoryBackend(home, 10**6)
+    parse_config({"path": str(home)})
+
+
+@pytest.mark.parametrize("part", ["chunks", "leases", "checked"])
 def test_store_directories_others_can_write_are_refused(tmp_path: Path, part: str):
     root = tmp_path / "store"
     DirectoryBackend(root, 10**6)
@@ -245,6 +305,24 @@ def redis_config(**settings: object) -> StoreConfig:
         {"backend": "redis", "redis_url": "redis://127.0.0.1:1/0", **settings},
         check_store=False,
     )
+
+
+def test_a_record_others_may_write_is_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """The record vouches for chunks as the chunks' own headers would: one
+    that another user could have written is ignored, with a line, and the
+    lookup reads the headers."""
+    req = checked_once(tmp_path)
+    (record,) = (tmp_path / "store" / "checked").iterdir()
+    record.chmod(0o666)
+
+    core, scheduler = make(tmp_path)
+    work = FileWork(core, monkeypatch)
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 4 * BLOCK
+    assert len(work.peeked) == 4
+    assert f"record of checked chunks {record} is not served" in caplog.text
 
 
 def test_password_file_others_may_read_is_refused(tmp_path: Path):

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlc_store.store_checks import check_directory, check_owner, check_private
+from kvlc_store.store_checks import (
+    check_directory,
+    check_owner,
+    check_path_owners,
+    check_private,
+)
 
 PREFIX = "kv_connector_extra_config"
 
@@ -446,6 +451,7 @@ def parse_config(extra: Mapping[str, Any], *, check_store: bool = True) -> Store
         problem = (
             check_private(given, bool(group_access))
             or check_private(path, bool(group_access))
+            or check_path_owners(given, path)
             or check_owner(path, bool(group_access))
         )
         if problem:

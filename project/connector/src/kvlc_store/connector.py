@@ -26,18 +26,19 @@ also expires after ``lease_ttl_s``.
 
 Worker side (``worker_side.py``, over ``transfer.py``'s view of the KV
 cache; on a GPU batched through pinned memory, ``device_transfer.py``):
-``start_load_kv`` reads the planned chunks straight into their blocks,
-checks each once (header and payload digest) and releases their lease (with
-``load_async``, on a thread beside the steps, reported through
-``get_finished``: ``async_load.py``); ``wait_for_save`` writes the step's
-newly filled prompt blocks that the store lacks, straight from the KV cache
-(on a GPU on a thread, a finished request's blocks kept until its saves are
-written: ``async_save.py``); ``before_update_states`` looks up blocks of
-new prompts that were not found when the step was scheduled (another server
-may have stored them since), loads them and reports them as hits. A chunk
-that fails its checks is deleted, counted and logged once; at load time its
-block is reported through ``get_block_ids_with_load_errors``, and vLLM
-recomputes it under ``kv_load_failure_policy: recompute``.
+``start_load_kv`` reads the planned chunks straight into their blocks
+(``load_path.py``), checks each once (header and payload digest) and
+releases their lease (with ``load_async``, on a thread beside the steps,
+reported through ``get_finished``: ``async_load.py``); ``wait_for_save``
+writes the step's newly filled prompt blocks that the store lacks, straight
+from the KV cache (on a GPU on a thread, a finished request's blocks kept
+until its saves are written: ``async_save.py``); ``before_update_states``
+looks up blocks of new prompts that were not found when the step was
+scheduled (another server may have stored them since), loads them and
+reports them as hits. A chunk that fails its checks is deleted, counted
+and logged once; at load time its block is reported through
+``get_block_ids_with_load_errors``, and vLLM recomputes it under
+``kv_load_failure_policy: recompute``.
 """
 
 from __future__ import annotations

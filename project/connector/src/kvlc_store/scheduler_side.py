@@ -4,10 +4,11 @@ A lookup leases the longest run of stored chunks after the locally computed
 prefix and checks their headers (``verify_on_lookup``; payloads are checked
 once, when a worker loads them); the accepted part becomes a load plan in
 the step's metadata, the rest of the lease is released at once. A lease is
-one record per request, and what this server already saw stored and whose
-headers it checked is kept in memory until a chunk leaves the store (the
-directory store's ``generation``): a repeated hit costs no file work per
-chunk before its load, which checks every chunk again. The prompt's
+one record per request. The directory store keeps what any of its servers
+saw stored and whose headers one checked or wrote, until a chunk leaves the
+store (``backends/known_chunks.py``): a lookup of such chunks, even this
+server's first, costs no file work per chunk before its load, which checks
+every chunk again. The prompt's
 last full block is offered too, for one token less than it holds: vLLM
 computes the prompt's last token in any case, so a hit covers up to
 ``prompt length - 1`` tokens and the load fills that block whole.
@@ -25,7 +26,6 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any, cast
 
 from kvlc_store.backends import BackendUnavailable, new_lease_id
-from kvlc_store.backends.directory import KNOWN_CHUNKS
 from kvlc_store.chunk import HEADER_BYTES, ChunkError, check_header
 from kvlc_store.core import StoreCore
 from kvlc_store.metadata import LoadSpec, Offer, ProbeSpec, SaveSpec, StoreMetadata
@@ -89,13 +89,6 @@ class SchedulerSide:
         self._known: OrderedDict[bytes, list[str]] = OrderedDict()
         self._known_prefix = core.key_prefix
         self._known_blocks = known_blocks
-        # Chunk keys whose headers a lookup checked, under the store
-        # generation and KV layout ``_checked_at``
-        # (``DirectoryBackend.generation``): a chunk file is never
-        # rewritten, so its header stays good until a chunk leaves the
-        # store. The load checks every chunk again.
-        self._checked: set[str] = set()
-        self._checked_at: tuple[str | None, str | None] = (None, None)
 
     def arrived(self, request: Request) -> None:
         """vLLM added ``request`` to the scheduler's queue."""
@@ -192,42 +185,41 @@ class SchedulerSide:
         one on are computed) writes it again.
         """
         core = self._core
-        generation: str | None = getattr(core.backend, "generation", None)
-        # What the headers were checked against: the store as it was, and
-        # the workers' KV layout (``set_kv_layout`` may name it later).
-        checked_at = (generation, core.kv_layout)
-        if (
-            generation is None
-            or checked_at != self._checked_at
-            or len(self._checked) > KNOWN_CHUNKS
-        ):
-            self._checked.clear()
-            self._checked_at = checked_at
-        checked = self._checked
         if flat is None:
             flat = list(chain.from_iterable(per_block))
-        if checked.issuperset(flat):
+        # Headers the store's record vouches for (as of the lease just
+        # taken): a chunk file is never rewritten, so a header found good
+        # stays good until a chunk leaves the store.
+        checked = core.backend.checked()
+        layout = core.kv_layout
+        if layout is None:
+            todo = [i for i, key in enumerate(flat) if key not in checked]
+        else:
+            todo = [i for i, key in enumerate(flat) if checked.get(key) != layout]
+        if not todo:
             return len(per_block)
-        todo = [i for i, key in enumerate(flat) if key not in checked]
         try:
             heads = core.backend.peek([flat[i] for i in todo], HEADER_BYTES)
         except BackendUnavailable as e:
             core.unavailable(e)
             return 0
         good = len(per_block)
+        found: dict[str, str] = {}
         for i, head in zip(todo, heads, strict=True):
             key, block = flat[i], i // core.tp_size
             if head is None:
                 good = min(good, block)
                 continue
             try:
-                check_header(head[0], core.identity, key, head[1], core.kv_layout)
+                header = check_header(
+                    head[0], core.identity, key, head[1], core.kv_layout
+                )
             except ChunkError as e:
                 core.bad_chunk(key, e)
                 good = min(good, block)
                 continue
-            if generation is not None:
-                checked.add(key)
+            found[key] = header.layout
+        core.backend.vouch(found)
         return good
 
     def commit(

@@ -1,5 +1,6 @@
 """Where chunks live: one small interface (``base.py``), two implementations
-(``directory.py``, ``redis.py``).
+(``directory.py``, with ``chunk_files.py`` and ``known_chunks.py``;
+``redis.py``).
 
 Keys are ``<identity>/<block hash hex>.<rank>`` strings made by the
 connector; values are encoded chunks (see ``chunk.py``), opaque here.
@@ -30,7 +31,8 @@ from kvlc_store.backends.base import (
     logger,
     new_lease_id,
 )
-from kvlc_store.backends.directory import DirectoryBackend, read_chunk_file
+from kvlc_store.backends.chunk_files import read_chunk_file
+from kvlc_store.backends.directory import DirectoryBackend
 from kvlc_store.backends.redis import RedisBackend
 
 __all__ = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Protocol
 
 # A value to store: one bytes-like object, or parts to store concatenated.
@@ -77,6 +77,21 @@ class Backend(Protocol):
 
     def num_bytes(self) -> int:
         """The store's current size in bytes (chunks only)."""
+        ...
+
+    def checked(self) -> Mapping[str, str]:
+        """Keys whose chunk headers are known good without a read, with the
+        KV layout each header names: recorded through ``vouch`` by any
+        process of the store, as of this process's last ``lease``. A lookup
+        reads the headers of the others. Empty where no record is kept."""
+        ...
+
+    def vouch(self, headers: Mapping[str, str]) -> None:
+        """Record that the stored chunks of ``headers`` (key -> KV layout)
+        have good headers: read and checked by a lookup, or written by this
+        server's save. Best effort and never raises; a record that cannot
+        be kept is not (a Redis lookup reads every header in one round trip
+        anyway)."""
         ...
 
     def close(self) -> None: ...

@@ -10,7 +10,7 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,29 +22,35 @@ from kvlc_store.backends.base import (
     as_parts,
     logger,
 )
-
-# Buffers per writev/preadv call (Linux's IOV_MAX is 1024).
-_IOV_MAX = 512
-
-# Chunks a process remembers as stored (``DirectoryBackend._known``) before
-# it starts over: ~100 bytes each, 2,048 per 32k-token prompt of TP 1.
-KNOWN_CHUNKS = 1 << 19
+from kvlc_store.backends.chunk_files import (
+    IOV_MAX,
+    FileTrust,
+    open_chunk_file,
+    read_chunk_file,
+)
+from kvlc_store.backends.known_chunks import KnownChunks
 
 _T = TypeVar("_T")
-
-# What a chunk file that is not one is called in the log.
-_FILE_KINDS = {
-    stat.S_IFLNK: "symbolic link",
-    stat.S_IFIFO: "FIFO",
-    stat.S_IFSOCK: "socket",
-    stat.S_IFCHR: "character device",
-    stat.S_IFBLK: "block device",
-    stat.S_IFDIR: "directory",
-}
 
 # What writing to a read-only store fails with: a read-only mount, or a
 # directory this user may read but not write.
 READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+# What a store directory holds (with the temporary files its processes
+# write beside ``size`` and ``generation``, and probes): a directory holding
+# anything else is not made a store (a server pointed at the wrong place
+# would fill it).
+_STORE_ENTRIES = frozenset(
+    {"chunks", "leases", "tmp", "checked", "size", "generation", ".lock"}
+)
+
+
+def is_store_entry(name: str) -> bool:
+    """Whether ``name``, in a store's directory, is one of the store's."""
+    return name in _STORE_ENTRIES or name.startswith(
+        ("size.", "generation.", ".kvlc-probe-")
+    )
 
 
 def is_store(path: Path) -> bool:
@@ -68,80 +74,6 @@ def _read_only(root: Path) -> bool:
     return False
 
 
-# How a chunk file is opened: never through a symbolic link (one to a chunk
-# outside the store would be served; one to a FIFO would block the reader
-# until something writes it), and without blocking (a FIFO planted under a
-# chunk's name opens at once and is refused by its type).
-_OPEN_CHUNK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-
-
-def open_chunk_file(
-    path: str | Path,
-    trusted: Callable[[str | Path, os.stat_result], bool] | None = None,
-) -> tuple[int, os.stat_result] | None:
-    """Open the chunk file at ``path`` for reading: its descriptor and
-    stat, or None if there is no such file, it is not a regular file (a
-    symbolic link, a FIFO, a device: refused through ``trusted``, which
-    tells why), or ``trusted`` refuses it (by its owner and mode). Other
-    ``OSError`` as raised. The caller closes the descriptor."""
-    try:
-        fd = os.open(path, _OPEN_CHUNK)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        # O_NOFOLLOW met a symbolic link: refused by its own stat.
-        if trusted is not None:
-            trusted(path, os.lstat(path))
-        return None
-    try:
-        st = os.fstat(fd)
-        if (trusted is not None and not trusted(path, st)) or not stat.S_ISREG(
-            st.st_mode
-        ):
-            os.close(fd)
-            return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
-def read_chunk_file(
-    path: str | Path,
-    head_bytes: int,
-    into: Sequence[memoryview],
-    trusted: Callable[[str | Path, os.stat_result], bool] | None = None,
-) -> Head | None:
-    """Read the chunk file at ``path``: its first ``head_bytes`` bytes, and
-    the rest straight into ``into`` when the lengths match (``read_into``'s
-    contract). None if there is no such file, or it is refused
-    (``open_chunk_file``); other ``OSError`` as raised.
-
-    Chunk files are written to a temporary name and renamed into place,
-    never rewritten, so a short read is a file system failing.
-    """
-    opened = open_chunk_file(path, trusted)
-    if opened is None:
-        return None
-    fd, st = opened
-    try:
-        size = st.st_size
-        head = os.pread(fd, head_bytes, 0)
-        if size == head_bytes + sum(t.nbytes for t in into):
-            offset = head_bytes
-            for i in range(0, len(into), _IOV_MAX):
-                batch = into[i : i + _IOV_MAX]
-                n = os.preadv(fd, batch, offset)
-                if n != sum(t.nbytes for t in batch):
-                    raise OSError(f"short read of {path} ({n} bytes)")
-                offset += n
-    finally:
-        os.close(fd)
-    return head, size
-
-
 class DirectoryBackend:
     """Chunks as files under a directory, shared by every process that opens
     the same path on one machine (or a shared file system with working
@@ -150,8 +82,9 @@ class DirectoryBackend:
     Layout: ``chunks/<identity>/<hh>/<hash>.<rank>`` (``hh`` the hash's first
     two hex digits), ``leases/<lease id>`` (one line per leased key; the
     file's mtime plus the TTL in its first line is its expiry), ``tmp/``
-    (writes in progress), ``size`` (total chunk bytes, kept under the lock)
-    and ``.lock`` (held while leasing, counting or evicting).
+    (writes in progress), ``size`` (total chunk bytes, kept under the lock),
+    ``generation`` and ``checked/`` (``known_chunks.py``) and ``.lock`` (held
+    while leasing, counting, recording or evicting).
 
     A write goes to ``tmp/`` and is renamed into place, so a process that
     dies mid-write never leaves a partial chunk under a chunk's name;
@@ -161,13 +94,10 @@ class DirectoryBackend:
     LRU order is file mtime (a ``get`` touches the file).
 
     A lease checks that its chunks exist only for chunks this process has
-    not seen stored yet: the chunks it wrote or found stored are kept in
-    memory (``_known``) until a chunk leaves the store. Every deletion by a
-    backend (an eviction, a damaged chunk deleted, a layout recreated)
-    writes a new token to ``generation`` under the lock, and a lease that
-    reads another token than the one its known chunks were seen under
-    forgets them. A chunk file removed by hand (not through a backend) is
-    then found missing at load, as a load error.
+    not seen stored yet and no process recorded checked: the chunks it wrote
+    or found stored are kept in memory until a chunk leaves the store
+    (``KnownChunks``). A chunk file removed by hand (not through a backend)
+    is then found missing at load, as a load error.
 
     Every file-system error of an operation (``OSError``: missing directory,
     permission, full disk, I/O error) is ``BackendUnavailable``. If the
@@ -192,7 +122,6 @@ class DirectoryBackend:
         self.group_access = group_access
         self._dir_mode = 0o2770 if group_access else 0o700
         self._file_mode = 0o660 if group_access else 0o600
-        self._untrusted_told: set[str] = set()
         # A store that turned read-only while serving: leases cannot be
         # written, hits are served without them (see ``lease``).
         self._lease_error: OSError | None = None
@@ -202,41 +131,32 @@ class DirectoryBackend:
         self._tmp = root / "tmp"
         self._lock_path = root / ".lock"
         self._size_path = root / "size"
-        self._generation_path = root / "generation"
-        # Chunks seen stored (written, leased) since no chunk left the store:
-        # since ``generation`` last held ``_known_at``.
-        self._known: set[str] = set()
-        self._known_at: str | None = None
         self.read_only = _read_only(root)
+        if not self.read_only:
+            self._mkdirs(root)
+        st = root.stat()
+        self.owner_uid = st.st_uid
+        self._trust = FileTrust(st, self.read_only, group_access)
+        self._trusted = self._trust.trusted
+        self._memory = KnownChunks(root, self._create, self._trust)
         if not self.read_only:
             self._make_layout()
             self._clean_tmp()
-        # Who may have written its chunks: this user; in a store this one
-        # only reads (one another user prebuilt), its owner; with
-        # group_access, the store's group. Never the owner of a store this
-        # one writes: a user who made the directory a root server was
-        # pointed at could have put any KV in it (``parse_config`` refuses
-        # such a store; this keeps its chunks out if the check was skipped).
-        st = root.stat()
-        self.owner_uid = st.st_uid
-        self._trusted_uids = {os.geteuid()}
-        if self.read_only:
-            self._trusted_uids.add(st.st_uid)
-        self._gid = st.st_gid
+            self._memory.remove_records(keep_this_boot=True)
 
     def _make_layout(self) -> None:
         fresh = not self._chunks.is_dir()
-        for d in (self._chunks, self._leases, self._tmp):
+        for d in (self._chunks, self._leases, self._tmp, self._memory.record_dir):
             self._mkdirs(d)
         if not self._lock_path.exists():
             os.close(self._create(self._lock_path, os.O_WRONLY | os.O_CREAT))
         if not self._size_path.exists():
             with self._locked():
                 self._write_size(self._scan_size())
-        if fresh or self._generation() is None:
+        if fresh or self._memory.generation() is None:
             # Chunks gone with a deleted layout are not known to anyone.
             with self._locked():
-                self._new_generation()
+                self._memory.new_generation()
 
     def _mkdirs(self, path: Path) -> None:
         """Create ``path`` and its missing parents with the store's mode."""
@@ -260,48 +180,6 @@ class DirectoryBackend:
         fd = self._create(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(fd, "w") as f:
             f.write(text)
-
-    def _trusted(self, path: str | Path, st: os.stat_result) -> bool:
-        """Whether the chunk file ``path`` (``st``: its stat, or its lstat
-        for a symbolic link) is one this store wrote: a regular file, owned
-        by a trusted user (this one; the owner of a store this one only
-        reads) or, with ``group_access``, in the store's group, and writable
-        by no one else. Any other is refused with a warning, once per file:
-        a user who could write there could have put any KV under the key."""
-        if not stat.S_ISREG(st.st_mode):
-            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "special file")
-            self._refuse(
-                path,
-                f"it is a {kind}, not a regular file this store wrote (chunks "
-                "are read without following links)",
-            )
-            return False
-        mine = st.st_uid in self._trusted_uids or (
-            self.group_access and st.st_gid == self._gid
-        )
-        others = stat.S_IWOTH | (0 if self.group_access else stat.S_IWGRP)
-        if mine and not st.st_mode & others:
-            return True
-        self._refuse(
-            path,
-            f"it belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), "
-            "not to this user"
-            + (" or the store's group" if self.group_access else "")
-            + ", or others may write it; another user may have written it",
-        )
-        return False
-
-    def _refuse(self, path: str | Path, why: str) -> None:
-        """Warn, once per file, that the chunk file ``path`` is not served."""
-        if str(path) in self._untrusted_told:
-            return
-        self._untrusted_told.add(str(path))
-        logger.warning(
-            "StoreConnector: chunk file %s is not served: %s. Remove it (a "
-            "store shared by a group needs group_access: true)",
-            path,
-            why,
-        )
 
     def _io(self, op: Callable[[], _T]) -> _T:
         """Run one store operation, with file-system errors as
@@ -383,7 +261,7 @@ class DirectoryBackend:
             # Straight from the caller's buffers (the KV cache), no join.
             left = [p for p in parts if p.nbytes]
             while left:
-                n = os.writev(fd, left[:_IOV_MAX])
+                n = os.writev(fd, left[:IOV_MAX])
                 while left and n >= left[0].nbytes:
                     n -= left[0].nbytes
                     left.pop(0)
@@ -396,8 +274,8 @@ class DirectoryBackend:
         os.close(fd)
         os.replace(tmp, path)
         with self._locked():
-            if self._known_current():
-                self._known.add(key)
+            if self._memory.current():
+                self._memory.stored.add(key)
             total = self._read_size() + size
             if total <= self.capacity_bytes:
                 self._write_size(total)
@@ -477,7 +355,7 @@ class DirectoryBackend:
                 path.unlink()
             except FileNotFoundError:
                 return
-            self._new_generation()
+            self._memory.new_generation()
             self._write_size(max(0, self._read_size() - size))
 
     def num_bytes(self) -> int:
@@ -546,10 +424,10 @@ class DirectoryBackend:
         return not self.read_only and self._lease_error is None
 
     def _stored_run(self, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` are stored: those known (``_known``)
-        without a look at the file system. Under the lock, unless read-only
-        (whose chunks are taken to stay put)."""
-        known = self._known if self._known_current() else set()
+        """How many leading ``keys`` are stored: those known
+        (``KnownChunks.stored``) without a look at the file system. Under
+        the lock, unless read-only (whose chunks are taken to stay put)."""
+        known = self._memory.stored if self._memory.current() else set()
         if known.issuperset(keys):
             return len(keys)
         n = 0
@@ -571,42 +449,26 @@ class DirectoryBackend:
             n += 1
         return n
 
-    # -- what left the store ----------------------------------------------
+    # -- checked headers ---------------------------------------------------
 
-    def _generation(self) -> str | None:
-        """The store's generation token; None if it has none (yet)."""
+    def checked(self) -> Mapping[str, str]:
+        """Chunk keys whose headers a server checked or wrote, with the KV
+        layout each names (``known_chunks.py``), as of the last ``lease``:
+        all stored, whole and good while no chunk left the store since."""
+        return self._memory.checked
+
+    def vouch(self, headers: Mapping[str, str]) -> None:
+        """Record the chunks of ``headers`` (key -> KV layout), stored and
+        checked (read by a lookup, or written by this server), for every
+        process of the store. Best effort: a record not written costs a
+        later first lookup its header reads."""
+        if self.read_only or not headers:
+            return
         try:
-            with open(self._generation_path, "rb") as f:
-                return f.read(64).decode(errors="replace").strip() or None
-        except FileNotFoundError:
-            return None
-
-    def _new_generation(self) -> None:
-        """A chunk left the store: every process forgets what it knew
-        stored. The caller holds the lock."""
-        tmp = self._generation_path.with_suffix(f".{os.getpid()}")
-        self._write_file(tmp, uuid.uuid4().hex)
-        os.replace(tmp, self._generation_path)
-
-    def _known_current(self) -> bool:
-        """Forget ``_known`` if a chunk left the store since it was seen;
-        whether chunks can be known now (the store has a generation)."""
-        generation = self._generation()
-        if (
-            generation is None
-            or generation != self._known_at
-            or len(self._known) > KNOWN_CHUNKS
-        ):
-            self._known.clear()
-            self._known_at = generation
-        return generation is not None
-
-    @property
-    def generation(self) -> str | None:
-        """The generation what this process knows stored was seen under, as
-        of its last lease: a caller's own facts about chunks (a checked
-        header) hold as long as it is the same and not None."""
-        return self._known_at
+            with self._locked():
+                self._memory.vouch(headers)
+        except OSError as e:
+            logger.debug("StoreConnector: record of checked chunks not written: %s", e)
 
     def _lease(self, keys: Sequence[str], lease_id: str, ttl_s: float) -> int:
         with self._locked():
@@ -685,7 +547,7 @@ class DirectoryBackend:
                 total -= size
                 evicted += 1
         if evicted:
-            self._new_generation()
+            self._memory.new_generation()
         self._write_size(total)
         return evicted
 

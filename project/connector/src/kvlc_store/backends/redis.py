@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -294,6 +294,12 @@ class RedisBackend:
     def num_bytes(self) -> int:
         value = self._call(self._client.get, f"{self.namespace}:bytes")
         return int(value or 0)
+
+    def checked(self) -> Mapping[str, str]:
+        return {}
+
+    def vouch(self, headers: Mapping[str, str]) -> None:
+        return
 
     def close(self) -> None:
         if self._prefetch is not None:
