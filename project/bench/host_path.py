@@ -19,8 +19,12 @@ warm-up:
 - ``lookup, first`` and ``lookup, again`` (``verify_on_lookup`` on and
   off): the scheduler's lookup of the prompt (``get_num_new_matched_tokens``:
   the lease, and with verify on the chunk headers) and the release of its
-  lease, by a scheduler that has not seen the chunks yet, and by one that
-  has (the store unchanged since: the repeated hit);
+  lease, by a scheduler that has not seen the chunks yet (a restart, another
+  server's chunks: the store's record of checked headers as the saving
+  worker left it), and by one that has (the store unchanged since: the
+  repeated hit); ``lookup, first, no record``: the same with the record
+  removed (chunks stored before a reboot, or by a server that keeps none),
+  so the lookup reads and checks every header;
 - ``hit, host work``: all the host does for a repeated hot hit before the
   forward, as one: the lookup (verify on), the load plan, ``start_load_kv``
   with the copies not executed, the lease's release;
@@ -225,6 +229,16 @@ def saves_and_hot_hits(
 
         state = "on" if verify else "off"
         out[f"lookup, first (verify {state})"] = timed(lookup(on, prompt), reps, fresh)
+        if verify:
+
+            def unrecorded(on: list[SchedulerSide] = on) -> None:
+                for record in (root / "checked").iterdir():
+                    record.unlink()
+                on[0] = scheduler(root, True)
+
+            out["lookup, first, no record (verify on)"] = timed(
+                lookup(on, prompt), reps, unrecorded
+            )
         on[0] = scheduler(root, verify)
         out[f"lookup, again (verify {state})"] = timed(lookup(on, prompt), reps)
     out["hit, host work"] = timed(hit(scheduler(root, True), side, prompt), reps)

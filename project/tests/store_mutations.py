@@ -287,8 +287,7 @@ MUTATIONS = [
     Mutation(
         "lease-counts-links",
         "backends/directory.py",
-        "            if not stat.S_ISREG(st.st_mode):\n"
-        "                self._trusted(path, st)  # refused, with its line\n"
+        "            if not self._trusted(path, st):\n"
         "                break\n",
         "",
         "test_store_trust.py",
@@ -427,6 +426,71 @@ MUTATIONS = [
         "backends/known_chunks.py",
         "            if key in self.stored and self.checked.get(key) != layout\n",
         "            if self.checked.get(key) != layout\n",
+        "test_store_lookup.py",
+    ),
+    Mutation(
+        "saves-not-recorded-checked",
+        "worker_side.py",
+        "                    self.saved.failed.add(save.block_id)\n"
+        "        self._vouch_written()\n",
+        "                    self.saved.failed.add(save.block_id)\n",
+        "test_store_lookup.py",
+    ),
+    Mutation(
+        "save-thread-records-nothing",
+        "async_save.py",
+        "            self._after_job()\n",
+        "",
+        "test_store_async_save.py",
+    ),
+    # -- chunks removed by hand, a full disk (issue 58)
+    Mutation(
+        "gone-chunk-not-reported",
+        "load_path.py",
+        "        if gone:\n            core.gone_at_load(gone)\n",
+        "",
+        "test_store_lookup.py",
+    ),
+    Mutation(
+        "gone-chunk-not-forgotten",
+        "backends/directory.py",
+        "                self._memory.new_generation()\n"
+        "                self._write_size(self._scan_size())\n"
+        "                return\n",
+        "                return\n",
+        "test_store_lookup.py",
+    ),
+    Mutation(
+        "size-not-counted-at-start",
+        "backends/directory.py",
+        "        with self._locked():\n"
+        "            self._write_size(self._scan_size())\n",
+        "        if not self._size_path.exists():\n"
+        "            with self._locked():\n"
+        "                self._write_size(self._scan_size())\n",
+        "test_store_lookup.py",
+    ),
+    Mutation(
+        "failed-load-still-known-stored",
+        "scheduler_side.py",
+        "                    for i in bad:\n"
+        "                        self._known.pop(request.block_hashes[i], None)\n",
+        "                    pass\n",
+        "test_store_trust.py",
+    ),
+    Mutation(
+        "full-disk-lease-backs-off-reads",
+        "backends/directory.py",
+        "_UNWRITABLE_ERRNOS = READ_ONLY_ERRNOS | {errno.ENOSPC, errno.EDQUOT}\n",
+        "_UNWRITABLE_ERRNOS = READ_ONLY_ERRNOS\n",
+        "test_store_faults.py",
+    ),
+    Mutation(
+        "scheduler-remembers-blocks-unbounded",
+        "scheduler_side.py",
+        "        while len(known) > self._known_blocks:\n"
+        "            known.popitem(last=False)\n",
+        "",
         "test_store_lookup.py",
     ),
 ]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvlc_store.backends import Data
+from kvlc_store.backends import Data, DirectoryBackend, new_lease_id
 from kvlc_store.metadata import SaveSpec, StoreMetadata
 from test_store_device_transfer import key, make, wait_finished
 
@@ -68,3 +68,21 @@ def test_a_bug_in_the_save_thread_still_reports_the_requests(
     assert saved is not None and saved.failed == {1}
     assert core.stats.data.get("stored_chunks", 0) == 0
     worker.close()
+
+
+@pytest.mark.parametrize("tier_blocks", [0, 8], ids=["staged", "host-tier"])
+def test_the_save_thread_records_its_chunks_checked(tmp_path: Path, tier_blocks: int):
+    """The headers the save thread wrote are this worker's own: they go to
+    the store's record, so any server's first lookup of them reads none."""
+    core, worker, kv, _ = make(tmp_path, tier_blocks=tier_blocks)
+    saves = [SaveSpec(b, [key(b)], req_id="r") for b in range(3)]
+    worker.save(StoreMetadata(saves=saves))
+    worker.finished_saves({"r"})
+    wait_finished(worker, "r")
+    worker.close()  # the thread is done with its last job
+    other = DirectoryBackend(tmp_path / "store", 10**9)
+    keys = [key(b) for b in range(3)]
+    assert other.lease(keys, new_lease_id(), 60) == 3
+    assert {k: other.checked().get(k) for k in keys} == dict.fromkeys(
+        keys, worker.layout.digest
+    )

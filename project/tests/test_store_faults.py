@@ -284,6 +284,39 @@ def test_full_disk_on_a_worker_save_leaves_its_reads_alone(
     worker.close()
 
 
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT], ids=errno.errorcode.get)
+def test_full_disk_serves_hits_without_leases_and_never_backs_off_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+):
+    """On a full disk (or quota) no file can be created, a lease's neither:
+    the lookup still hits, served without a lease (no save can evict on a
+    full disk), and reads are not backed off; a partial release that
+    cannot rewrite its lease file leaves it to expire."""
+    from test_store_lookup import BLOCK, make, request, store
+
+    core, scheduler = make(tmp_path)
+    req = request(4 * BLOCK + 1)
+    store(core, req, [0, 1, 2, 3], ranks=(0,))
+    real_open = os.open
+
+    def full(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(err, os.strerror(err))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(directory.os, "open", full)
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 4 * BLOCK
+    assert core.usable() and core.stats.data.get("store_errors", 0) == 0
+    monkeypatch.setattr(directory.os, "open", real_open)
+    lease = new_lease_id()
+    keys = [k for ks in offer.keys for k in ks]
+    assert core.backend.lease(keys, lease, 60) == 4
+    monkeypatch.setattr(directory.os, "open", full)
+    core.release(lease, keys[2:], count=False)
+    assert core.usable() and core.stats.data.get("store_errors", 0) == 0
+
+
 @pytest.mark.parametrize(
     "err", [errno.EROFS, errno.EACCES, errno.EPERM], ids=errno.errorcode.get
 )

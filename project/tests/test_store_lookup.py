@@ -22,7 +22,9 @@ from kvlc_store.backends import DirectoryBackend, Head, known_chunks
 from kvlc_store.chunk import HEADER_BYTES, encode_chunk
 from kvlc_store.config import parse_config
 from kvlc_store.core import StoreCore
+from kvlc_store.metadata import LoadSpec, SaveSpec, StoreMetadata
 from kvlc_store.scheduler_side import SchedulerSide
+from test_store_load import make as make_worker
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -278,6 +280,70 @@ def test_a_first_lookup_of_checked_chunks_does_no_file_work_per_chunk(
     assert (work.exists, work.peeked) == (0, [])
 
 
+def test_a_first_lookup_of_chunks_a_worker_saved_reads_no_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A worker's saves go to the store's record (their headers are its
+    own): a first lookup of them, by any server, reads none."""
+    core, scheduler = make(tmp_path)
+    req = request(2 * BLOCK + 1)
+    _, worker, _ = make_worker(tmp_path)
+    worker.save(
+        StoreMetadata(
+            saves=[SaveSpec(b, core.keys(req.block_hashes[b])) for b in (0, 1)]
+        )
+    )
+    work = FileWork(core, monkeypatch)
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 2 * BLOCK
+    assert (work.exists, work.peeked) == (0, [])
+
+
+def test_a_chunk_removed_by_hand_is_forgotten_at_its_failed_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A chunk file removed by hand (not through a server) does not start a
+    new generation: the lookup still offers it, and the load finds it gone.
+    That load forgets it for every process of the store: one line naming
+    the key, the next lookup misses it (a request fails at most once under
+    ``fail``), and ``size`` stops counting it."""
+    core, scheduler = make(tmp_path)
+    req = request(4 * BLOCK + 1)
+    worker_core, worker, _ = make_worker(tmp_path)
+    keys = core.keys_of(req.block_hashes[:4])
+    worker.save(StoreMetadata(saves=[SaveSpec(b, keys[b]) for b in range(4)]))
+    gone = keys[1][0]
+    identity, _, name = gone.partition("/")
+    (tmp_path / "store" / "chunks" / identity / name[:2] / name).unlink()
+
+    offer = scheduler.offer(req, 0)
+    assert offer is not None and offer.num_tokens == 4 * BLOCK
+    load = LoadSpec("r", offer.lease_id, [0, 1, 2, 3], offer.keys)
+    worker.start_load(StoreMetadata(loads=[load], sync_loads_first=True))
+    assert worker.take_load_errors() == {1}
+    assert f"gone from the store at load ({gone})" in caplog.text
+    assert worker_core.stats.data["gone_chunks"] == 1
+
+    again = scheduler.offer(request(4 * BLOCK + 1, name="r2"), 0)
+    assert again is not None and again.num_tokens == BLOCK
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "store/chunks").rglob("*.0"))
+    assert int((tmp_path / "store" / "size").read_text()) == on_disk
+
+
+def test_size_counts_what_is_on_disk_at_start(tmp_path: Path):
+    """Chunk files removed while no server ran: ``size`` is counted anew
+    when a server opens the store, so capacity decisions are made on the
+    bytes there."""
+    core, _ = make(tmp_path)
+    req = request(4 * BLOCK + 1)
+    store(core, req, [0, 1, 2, 3], ranks=(0,))
+    for path in list((tmp_path / "store" / "chunks").rglob("*.0"))[:3]:
+        path.unlink()
+    DirectoryBackend(tmp_path / "store", 10**8)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "store/chunks").rglob("*.0"))
+    assert int((tmp_path / "store" / "size").read_text()) == on_disk > 0
+
+
 def checked_once(tmp_path: Path) -> Request:
     """A request of 4 blocks, stored, that a lookup checked (and recorded)."""
     _, first = make(tmp_path)
@@ -395,6 +461,46 @@ def test_a_repeated_hit_formats_no_chunk_keys(
     again = scheduler.offer(request(8 * BLOCK + 1, name="r2"), 0)
     assert again is not None and again.keys == offer.keys
     assert formatted == []
+
+
+def test_the_blocks_a_scheduler_remembers_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A long-running server loads prompt after prompt: the block keys it
+    keeps (``known_blocks``) stay within their bound, the most recent kept.
+    After 20 hits of 32 blocks with room for 64, the first prompt's keys are
+    formatted again and the last one's are not."""
+    core, _ = make(tmp_path)
+    scheduler = SchedulerSide(
+        core, BLOCK, worker_hits=False, manager=lambda: None, known_blocks=64
+    )
+    prompts = [
+        Request(
+            request_id=f"r{i}",
+            prompt_token_ids=[1000 * (i + 1) + t for t in range(32 * BLOCK + 1)],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        for i in range(20)
+    ]
+    for req in prompts:
+        store(core, req, list(range(32)), ranks=(0,))
+        offer = scheduler.offer(req, 0)
+        assert offer is not None and offer.num_blocks == 32
+        scheduler.commit(req, list(range(33)), offer, offer.num_tokens)
+    formatted: list[bytes] = []
+    keys_of = core.keys_of
+
+    def counting_keys_of(block_hashes: Sequence[bytes]) -> list[list[str]]:
+        formatted.extend(block_hashes)
+        return keys_of(block_hashes)
+
+    monkeypatch.setattr(core, "keys_of", counting_keys_of)
+    assert scheduler.offer(prompts[-1], 0) is not None
+    assert formatted == []
+    assert scheduler.offer(prompts[0], 0) is not None
+    assert len(formatted) == 32
 
 
 def test_keys_kept_in_memory_follow_the_kv_layout(tmp_path: Path):

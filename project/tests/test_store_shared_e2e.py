@@ -278,3 +278,35 @@ def test_damaged_chunk_under_the_default_policy_fails_its_request(setup):
     again = writer.complete(prompt("damaged"))
     assert again.cached_tokens == 2 * BLOCK
     assert_same_output(again, first)
+
+
+def test_chunk_removed_by_hand_fails_at_most_the_request_that_loads_it(setup):
+    """Chunk files removed by hand (an admin, tmpreaper, ``find -delete``)
+    do not go through a server, so the lookup still offers them. Under the
+    default policy the request whose load finds them gone fails; that load
+    forgets them (one line naming a key), so the next request is a miss that
+    stores them again, and the one after it a hit; ``size`` stops counting
+    them."""
+    writer: Engine = setup["writer"]
+    store: Path = setup["store"]
+    before = set(store_files(store))
+    first = writer.complete(prompt("gone"))
+    added = [store / name for name in set(store_files(store)) - before]
+    chunks = [p for p in added if "chunks" in p.parts]
+    assert len(chunks) == 2, added
+    for path in chunks:
+        path.unlink()
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        writer.complete(prompt("gone"))
+    assert failed.value.code == 500
+    log = writer.server.log_text()
+    assert "chunk(s) gone from the store at load (" in log
+    assert "their blocks fail to load and vLLM fails the request" in log
+    recomputed = writer.complete(prompt("gone"))
+    assert recomputed.cached_tokens == 0
+    assert_same_output(recomputed, first)
+    again = writer.complete(prompt("gone"))
+    assert again.cached_tokens == 2 * BLOCK
+    assert_same_output(again, first)
+    on_disk = sum(p.stat().st_size for p in (store / "chunks").rglob("*.0"))
+    assert int((store / "size").read_text()) == on_disk

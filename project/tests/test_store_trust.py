@@ -435,6 +435,46 @@ def test_load_errors_remember_damaged_keys_only_when_not_deletable(
     assert again.num_blocks == (3 if writable else 1)
 
 
+def test_a_block_that_failed_to_load_is_saved_when_the_prefix_cache_serves_it(
+    tmp_path: Path,
+):
+    """A block loaded from the store is not saved again when vLLM's prefix
+    cache serves it to a later request, unless its load failed (its chunk
+    damaged or gone): then the later request saves it."""
+    from types import SimpleNamespace
+
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    core = core_on(tmp_path)
+    manager = Manager([10, 11, 12, 13])
+    side = SchedulerSide(core, BLOCK, False, lambda: manager)
+    req = request(3 * BLOCK + 1)
+    store(core, req, [0, 1, 2], (0,))
+    side.arrived(req)
+    offer = side.offer(req, 0)
+    assert offer is not None and offer.num_blocks == 3
+    side.commit(req, [10, 11, 12, 13], offer, offer.num_tokens)
+    side.on_load_errors({11})
+    side.finished(req)
+
+    later = request(3 * BLOCK + 1, "later")
+    side.arrived(later)
+    manager.block_ids = [20, 21, 22, 23]
+    output = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="later", num_computed_tokens=3 * BLOCK)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        has_sync_kv_loads=False,
+        num_scheduled_tokens={"later": 1},
+        preempted_req_ids=set(),
+    )
+    meta = side.build_meta(output)  # type: ignore[arg-type]
+    assert [save.block_id for save in meta.saves] == [21]
+
+
 def test_evictions_are_logged_when_they_start_and_then_at_intervals(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ):

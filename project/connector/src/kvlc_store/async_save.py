@@ -62,11 +62,17 @@ class AsyncSaves:
     """
 
     def __init__(
-        self, transfer: DeviceTransfer, write: WriteFn, tier: HostTier | None = None
+        self,
+        transfer: DeviceTransfer,
+        write: WriteFn,
+        tier: HostTier | None = None,
+        after_job: Callable[[], None] = lambda: None,
     ) -> None:
         self._transfer = transfer
         self._write = write
         self._tier = tier
+        # Called on the thread after each job's writes.
+        self._after_job = after_job
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending: collections.Counter[str] = collections.Counter()
@@ -135,6 +141,7 @@ class AsyncSaves:
                 logger.exception("StoreConnector: asynchronous save failed")
                 for save in job.saves[finished:]:
                     self._finish(save, False)
+            self._after_job()
 
     def _save(self, job: _Job) -> Iterator[bool]:
         """Copy and write ``job``'s saves; yield each one's outcome in

@@ -295,27 +295,52 @@ class StoreCore:
                 "kept, since the store cannot be written now; this server "
                 "will not read it again"
             )
-        if not at_load:
-            consequence = "treated as a miss"
-        elif self.load_failure_policy == "recompute":
-            consequence = (
-                "its block fails to load and vLLM recomputes the request from "
-                "there (kv_load_failure_policy 'recompute')"
-            )
-        else:
-            consequence = (
-                f"its block fails to load and vLLM fails the request "
-                f"(kv_load_failure_policy {self.load_failure_policy!r}: the "
-                'client gets an error); set "kv_load_failure_policy": '
-                '"recompute" in --kv-transfer-config to recompute it instead'
-            )
         self.warn_once(
             key,
             "StoreConnector: chunk %s unusable (%s), %s; %s",
             key,
             error,
             fate,
-            consequence,
+            self._load_failure(at_load),
+        )
+
+    def _load_failure(self, at_load: bool, blocks: str = "its block fails") -> str:
+        """What a chunk found unusable does to its request: nothing found by
+        a lookup (a miss); at load, what ``kv_load_failure_policy`` says."""
+        if not at_load:
+            return "treated as a miss"
+        if self.load_failure_policy == "recompute":
+            return (
+                f"{blocks} to load and vLLM recomputes the request from "
+                "there (kv_load_failure_policy 'recompute')"
+            )
+        return (
+            f"{blocks} to load and vLLM fails the request "
+            f"(kv_load_failure_policy {self.load_failure_policy!r}: the "
+            'client gets an error); set "kv_load_failure_policy": '
+            '"recompute" in --kv-transfer-config to recompute it instead'
+        )
+
+    def gone_at_load(self, keys: Sequence[str]) -> None:
+        """Chunks a planned load did not find, though its lookup leased
+        them: removed by hand (a server's own deletions start a new
+        generation, which every lookup sees). Forgotten by every process of
+        the store (``Backend.forget``), so the next lookup misses them and
+        their blocks are saved again; said once per first key."""
+        self.stats.inc("gone_chunks", len(keys))
+        try:
+            self.backend.forget(keys)
+        except BackendUnavailable as e:
+            self.unavailable(e)
+        self.warn_once(
+            f"gone:{keys[0]}",
+            "StoreConnector: %d chunk(s) gone from the store at load (%s%s), "
+            "removed by hand, not through a server; forgotten, so the next "
+            "lookup of the prompt misses them; %s",
+            len(keys),
+            keys[0],
+            ", ..." if len(keys) > 1 else "",
+            self._load_failure(True, "their blocks fail"),
         )
 
     def _deleted(self, key: str) -> bool:

@@ -111,20 +111,23 @@ class LoadPath:
         done: set[int] = set()
         block_ids: Sequence[int] = spec.block_ids
         from_store = keys
+        gone: list[str] = []
         try:
             if spec.num_buffered and buffer_dir is not None:
                 n = spec.num_buffered
                 buffer = BufferReader(buffer_dir)
-                done = self._fill(block_ids[:n], keys[:n], cancelled, buffer)
+                done = self._fill(block_ids[:n], keys[:n], cancelled, [], buffer)
                 # What the buffer lacked is read from the store.
                 lacked = [j for j in range(n) if block_ids[j] not in done]
                 block_ids = [block_ids[j] for j in lacked] + list(block_ids[n:])
                 from_store = [keys[j] for j in lacked] + keys[n:]
             if not cancelled():
-                done |= self._fill(block_ids, from_store, cancelled)
+                done |= self._fill(block_ids, from_store, cancelled, gone)
         finally:
             if spec.lease_id is not None:
                 core.release(spec.lease_id, keys, count=self.rank == 0)
+        if gone:
+            core.gone_at_load(gone)
         failed = set(spec.block_ids) - done
         if not cancelled():
             core.stats.inc("load_errors", len(failed))
@@ -135,15 +138,23 @@ class LoadPath:
         block_ids: Sequence[int],
         keys: Sequence[str],
         cancelled: Callable[[], bool],
+        gone: list[str],
         buffer: BufferReader | None = None,
     ) -> set[int]:
-        """``read`` until ``cancelled()``; the blocks loaded."""
+        """``read`` until ``cancelled()``; the blocks loaded. Adds to
+        ``gone`` the keys the store did not hold (a planned load's chunks
+        were leased: gone since, by hand)."""
         done: set[int] = set()
-        for ids, _, outcomes in self.read(block_ids, keys, buffer):
+        for ids, batch_keys, outcomes in self.read(block_ids, keys, buffer):
             if all(outcomes):
                 done.update(ids)
             else:
-                done.update(b for b, ok in zip(ids, outcomes, strict=True) if ok)
+                loaded = zip(ids, batch_keys, outcomes, strict=True)
+                for block_id, key, ok in loaded:
+                    if ok:
+                        done.add(block_id)
+                    elif ok is None and buffer is None:
+                        gone.append(key)
             if cancelled():
                 break
         return done

@@ -417,8 +417,9 @@ class SchedulerSide:
 
     def on_load_errors(self, invalid_block_ids: set[int]) -> None:
         """Blocks whose load failed (a chunk that failed its checksum, now
-        deleted): vLLM recomputes them (``kv_load_failure_policy:
-        recompute``), so they are saved again like computed ones."""
+        deleted, or one removed by hand): vLLM recomputes them
+        (``kv_load_failure_policy: recompute``), so they are saved again
+        like computed ones, and not taken as stored any longer."""
         for req_id, loaded in list(self._loaded_until.items()):
             block_ids = self.block_ids(req_id)[:loaded]
             bad = [i for i, b in enumerate(block_ids) if b in invalid_block_ids]
@@ -432,6 +433,11 @@ class SchedulerSide:
                 self._loaded_until[req_id] = bad[0]
                 if req_id in self._saved_until:
                     self._saved_until[req_id] = min(self._saved_until[req_id], bad[0])
+                if request is not None:
+                    # Not stored after all (damaged, or gone): saved again
+                    # when the prefix cache serves them to a later request.
+                    for i in bad:
+                        self._known.pop(request.block_hashes[i], None)
 
     def block_ids(self, req_id: str) -> list[int]:
         manager: KVCacheManager | None = self._manager()

@@ -36,6 +36,8 @@ COUNTERS: dict[str, str] = {
     "evictions": "Chunks evicted to stay under the store's cap.",
     "corrupt_chunks": "Chunks found corrupt, truncated or foreign (a miss).",
     "load_errors": "Blocks promised to the scheduler that could not be loaded.",
+    "gone_chunks": "Chunks a load found removed from the store by hand "
+    "(forgotten: the next lookup misses them).",
     "store_errors": "Store operations that failed (unreachable, full, I/O error).",
     "leases_taken": "Leases taken on offered chunks.",
     "leases_released": "Leases released (loaded or aborted).",

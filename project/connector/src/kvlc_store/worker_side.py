@@ -75,6 +75,8 @@ class WorkerSide:
         self._sending: set[str] = set()
         self._finishing: set[str] = set()
         self._warned_unordered = False
+        # Chunks written since the last ``_vouch_written``.
+        self._written: list[str] = []
 
     def register(
         self, kv_caches: dict[str, torch.Tensor], num_blocks: int, rank: int
@@ -125,7 +127,9 @@ class WorkerSide:
                     f"MiB of {layout.device.type} memory, which PyTorch keeps "
                     "cached outside --gpu-memory-utilization"
                 )
-        self._async_saves = AsyncSaves(device, self._write_chunk, self._tier)
+        self._async_saves = AsyncSaves(
+            device, self._write_chunk, self._tier, self._vouch_written
+        )
         self._loads.batched(device, self._tier)
         logger.info(
             "StoreConnector: KV cache on %s: batched transfers through %s, "
@@ -278,6 +282,7 @@ class WorkerSide:
                 self.saved.done.add(save.block_id)
                 if store_down:
                     self.saved.failed.add(save.block_id)
+        self._vouch_written()
 
     def _save_block(self, save: SaveSpec) -> bool:
         """Write one block of a host KV cache, straight from it; False if
@@ -306,10 +311,21 @@ class WorkerSide:
             return False
         if evicted is not None:  # Written: a write that failed before works.
             core.available("write")
+            self._written.append(key)
         core.stats.inc("stored_bytes", HEADER_BYTES + size)
         core.stats.inc("stored_chunks")
         core.evicted(evicted or 0)
         return True
+
+    def _vouch_written(self) -> None:
+        """Record the chunks written since the last call as checked, for
+        every server's lookups (``Backend.vouch``): their headers are this
+        worker's own. Once per step's saves (per batch on the save
+        thread), one store operation for all of them."""
+        written, self._written = self._written, []
+        if written:
+            layout = self.layout.digest
+            self._core.backend.vouch(dict.fromkeys(written, layout))
 
     def handle_preemptions(self, meta: StoreMetadata) -> None:
         """Before the step's forward: the blocks of requests this step

@@ -79,6 +79,12 @@ class Backend(Protocol):
         """The store's current size in bytes (chunks only)."""
         ...
 
+    def forget(self, keys: Sequence[str]) -> None:
+        """``keys`` were leased but a load found them gone: if they are
+        still gone, every process of the store forgets what it knew of its
+        chunks (a backend that keeps no such memory does nothing)."""
+        ...
+
     def checked(self) -> Mapping[str, str]:
         """Keys whose chunk headers are known good without a read, with the
         KV layout each header names: recorded through ``vouch`` by any

@@ -35,6 +35,17 @@ _T = TypeVar("_T")
 # What writing to a read-only store fails with: a read-only mount, or a
 # directory this user may read but not write.
 READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+# What a lease write fails with when the store cannot take writes now: a
+# read-only store, or a full disk or quota. Its chunks can still be read.
+_UNWRITABLE_ERRNOS = READ_ONLY_ERRNOS | {errno.ENOSPC, errno.EDQUOT}
+
+
+def _unwritable(e: BackendUnavailable) -> OSError | None:
+    """The error of a store that cannot take writes now behind ``e``."""
+    cause = e.__cause__
+    if isinstance(cause, OSError) and cause.errno in _UNWRITABLE_ERRNOS:
+        return cause
+    return None
 
 
 # What a store directory holds (with the temporary files its processes
@@ -150,9 +161,10 @@ class DirectoryBackend:
             self._mkdirs(d)
         if not self._lock_path.exists():
             os.close(self._create(self._lock_path, os.O_WRONLY | os.O_CREAT))
-        if not self._size_path.exists():
-            with self._locked():
-                self._write_size(self._scan_size())
+        # Counted anew at every start: chunk files removed by hand leave
+        # ``size`` counting them (a stat per chunk file, once).
+        with self._locked():
+            self._write_size(self._scan_size())
         if fresh or self._memory.generation() is None:
             # Chunks gone with a deleted layout are not known to anyone.
             with self._locked():
@@ -358,6 +370,25 @@ class DirectoryBackend:
             self._memory.new_generation()
             self._write_size(max(0, self._read_size() - size))
 
+    def forget(self, keys: Sequence[str]) -> None:
+        if not self.read_only and keys:
+            self._io(lambda: self._forget(keys))
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        with self._locked():
+            for key in keys:
+                path = self._file(key)
+                try:
+                    if self._trusted(path, os.lstat(path)):
+                        continue  # written again since
+                except FileNotFoundError:
+                    pass
+                # Gone (or not a chunk this store wrote): no process may
+                # offer it again, and ``size`` counted it.
+                self._memory.new_generation()
+                self._write_size(self._scan_size())
+                return
+
     def num_bytes(self) -> int:
         return self._io(lambda: self._num_bytes())
 
@@ -393,12 +424,13 @@ class DirectoryBackend:
         try:
             n = self._io(lambda: self._lease(keys, lease_id, ttl_s))
         except BackendUnavailable as e:
-            error = e.__cause__
-            if not (isinstance(error, OSError) and error.errno in READ_ONLY_ERRNOS):
+            error = _unwritable(e)
+            if error is None:
                 raise
-            # The store turned read-only (remounted, its mode changed): no
-            # one can evict its chunks through it either, so they are served
-            # without a lease rather than lost as misses.
+            # The store turned read-only (remounted, its mode changed) or
+            # its disk is full: no one can evict its chunks through it (a
+            # full disk takes no saves), so they are served without a lease
+            # rather than lost as misses.
             if self._lease_error is None:
                 logger.warning(
                     "StoreConnector: lease write to store directory %s failed "
@@ -435,15 +467,14 @@ class DirectoryBackend:
             if key in known:
                 n += 1
                 continue
-            # A regular file only: a link or a FIFO under a chunk's name is
-            # not a chunk.
+            # A chunk this store wrote only: a link or a FIFO under a chunk's
+            # name, or a file of another user, is not (refused, with a line).
             path = self._file(key)
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
                 break
-            if not stat.S_ISREG(st.st_mode):
-                self._trusted(path, st)  # refused, with its line
+            if not self._trusted(path, st):
                 break
             known.add(key)
             n += 1
@@ -479,8 +510,16 @@ class DirectoryBackend:
             return n
 
     def release(self, keys: Sequence[str], lease_id: str) -> None:
-        if not self.read_only:
+        if self.read_only:
+            return
+        try:
             self._io(lambda: self._release(keys, lease_id))
+        except BackendUnavailable as e:
+            # A part of a lease released on a full disk: the rest of it
+            # protects its chunks until the lease expires, and no save can
+            # evict meanwhile.
+            if _unwritable(e) is None:
+                raise
 
     def _release(self, keys: Sequence[str], lease_id: str) -> None:
         path = self._leases / lease_id
