@@ -286,7 +286,8 @@ class DirectoryBackend:
         os.close(fd)
         os.replace(tmp, path)
         with self._locked():
-            if self._memory.current():
+            # A save needs no record: the lookups read it.
+            if self._memory.current(learn=False):
                 self._memory.stored.add(key)
             total = self._read_size() + size
             if total <= self.capacity_bytes:

@@ -108,10 +108,11 @@ class KnownChunks:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
 
-    def current(self) -> bool:
+    def current(self, learn: bool = True) -> bool:
         """Forget what is known if a chunk left the store since it was
-        learnt, then learn what the record added since it was last read;
-        whether chunks can be known now (the store has a generation)."""
+        learnt, then (``learn``) learn what the record added since it was
+        last read; whether chunks can be known now (the store has a
+        generation)."""
         generation = self.generation()
         if (
             generation is None
@@ -124,7 +125,8 @@ class KnownChunks:
             self._record_read = 0
         if generation is None:
             return False
-        self._read_record()
+        if learn:
+            self._read_record()
         return True
 
     def _record(self) -> Path | None:
@@ -169,7 +171,8 @@ class KnownChunks:
         """Add the chunks of ``headers`` (key -> the KV layout its good
         header names) to the record, those this process knows stored under
         the current generation. The caller holds the lock."""
-        if not self.current():
+        # Not learning the record here: a worker never reads it.
+        if not self.current(learn=False):
             return
         path = self._record()
         lines = [
