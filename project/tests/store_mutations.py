@@ -266,7 +266,8 @@ MUTATIONS = [
     Mutation(
         "store-directories-unchecked",
         "store_checks.py",
-        '    for probe in (path, path / "chunks", path / "leases", path / "tmp"):\n',
+        "    for probe in (path, *(path / d for d in "
+        '("chunks", "leases", "tmp", "checked"))):\n',
         "    for probe in (path,):\n",
         "test_store_trust.py",
     ),

@@ -1,11 +1,14 @@
 """End to end: KVConnectorBase_V1.before_update_states with the real engine.
 
 Each engine runs in its own process (before_update_states_driver.py) on the
-demo model. RecordedKVConnector (kv_hits_connector.py) saves the KV the model
+demo model, and runs the prompts once per run it is given, one run after
+another. RecordedKVConnector (kv_hits_connector.py) saves the KV the model
 computed for each prompt, then in later runs reports worker hits and writes
-that KV (or garbage) back. Runs that do not depend on each other run two or
-three at a time (an engine's start is mostly one busy core; the CI machine
-has two), each later run on its own copy of the saved KV.
+that KV (or garbage) back; each request carries the run's settings, so one
+engine captures, then loads. An engine start costs a minute of CPU and the
+runs a few seconds: the module starts one engine per configuration, the
+three of one TP rank together (a start is mostly one busy core; the CI
+machine has two), and each run on the saved KV gets its own copy of it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,32 +31,75 @@ DRIVER = HERE / "before_update_states_driver.py"
 HIT_TOKENS = 256
 # Chunked prefill budget below the long prompt's length: one block a chunk.
 CHUNK = 128
+# Seconds an engine may take to start and do one run, or one more run.
+RUN_TIMEOUT = 900
 
 
-def run_engine(model: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(HERE),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-    )
-    # vLLM's default binding pins a one-rank engine to core 0, where the
-    # engines that run at the same time would share it.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if config.get("tp", 1) == 2 else "nobind"
-    if config["mode"] is not None:
-        for steps in Path(config["path"]).glob("steps-rank*.jsonl"):
-            steps.unlink()
-    result = subprocess.run(
-        [sys.executable, str(DRIVER), str(model), json.dumps(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+class Engine:
+    """A driver process holding one engine, started at once: ``run`` hands
+    it a run and waits for the result (the first, for the engine's start)."""
+
+    def __init__(self, model: Path, log: Path, **engine: Any):
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(HERE),
+            VLLM_CPU_KVCACHE_SPACE="1",
+            HF_HUB_OFFLINE="1",
+        )
+        # vLLM's default binding pins a one-rank engine to core 0, where the
+        # engines that run at the same time would share it.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if engine.get("tp", 1) == 2 else "nobind"
+        self.log = log
+        with log.open("w") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, str(DRIVER), str(model), json.dumps(engine)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+
+    def run(self, **run: Any) -> list[dict[str, Any]]:
+        """The prompts' results with RecordedKVConnector's ``run`` settings
+        (none: the engine has no connector). A run with a ``path`` records
+        its steps there, anew."""
+        if "path" in run:
+            for steps in Path(run["path"]).glob("steps-rank*.jsonl"):
+                steps.unlink()
+        assert self.process.stdin is not None and self.process.stdout is not None
+        watchdog = threading.Timer(RUN_TIMEOUT, self.process.kill)
+        watchdog.start()
+        try:
+            self.process.stdin.write(json.dumps(run) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        finally:
+            watchdog.cancel()
+        assert line.startswith("RESULT "), (
+            f"the engine exited ({self.process.poll()}):\n"
+            + self.log.read_text()[-8000:]
+        )
+        return json.loads(line.removeprefix("RESULT "))
+
+    def stop(self) -> None:
+        """Let the driver end (its engine's shutdown takes ~8 s)."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def close(self) -> None:
+        """Stop the driver and wait for its end."""
+        self.stop()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def computed_tokens(path: Path, rank: int = 0) -> int:
@@ -67,56 +114,56 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def captured(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A run without connector, and one that saves each prompt's KV."""
-    path = tmp_path_factory.mktemp("kv")
-    with ThreadPoolExecutor(2) as pool:
-        reference = pool.submit(run_engine, model, {"mode": None})
-        capture = pool.submit(run_engine, model, {"mode": "capture", "path": str(path)})
-        return {
-            "path": path,
-            "reference": reference.result(),
-            "capture": capture.result(),
-            "computed": computed_tokens(path),
-        }
-
-
-# The runs that load the captured KV, by test.
-LOADS: dict[str, dict[str, Any]] = {
-    "load": {"mode": "load", "hit_tokens": [HIT_TOKENS]},
-    "continuation": {
-        "mode": "load",
-        "hit_tokens": [HIT_TOKENS],
-        "hit_on": "continuation",
-        "max_num_batched_tokens": CHUNK,
-    },
-    "garbage": {"mode": "garbage", "hit_tokens": [HIT_TOKENS]},
+# The module's engines of one TP rank. Each configuration needs its own:
+# "reference" has no connector (what a connector's runs must give: it cannot
+# be an engine with one); "connector" captures, then runs each load that
+# takes its hit in the prompt's first step; "chunked" has a scheduler's
+# budget below the long prompt, which an engine cannot change (and which
+# would split the capture and the first-step loads).
+ENGINES: dict[str, dict[str, Any]] = {
+    "reference": {},
+    "connector": {"connector": True},
+    "chunked": {"connector": True, "max_num_batched_tokens": CHUNK},
 }
 
 
-Run = tuple[Path, "Future[list[dict[str, Any]]]"]
+@pytest.fixture(scope="module")
+def engines(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Engine]]:
+    """``ENGINES``, started together; their logs in ``engines/``."""
+    logs = tmp_path_factory.mktemp("engines")
+    started = {
+        name: Engine(model, logs / f"{name}.log", **config)
+        for name, config in ENGINES.items()
+    }
+    yield started
+    # Their shutdowns at once.
+    for engine in started.values():
+        engine.stop()
+    for engine in started.values():
+        engine.close()
 
 
 @pytest.fixture(scope="module")
-def loads(
-    model: Path, captured: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Run]:
-    """Each of ``LOADS`` on its own copy of the captured KV (a run records
-    its steps there), all at once: the copy and the finished run, whose
-    result each test takes (a failed run fails its own test only)."""
-    paths = {}
-    for name in LOADS:
-        paths[name] = tmp_path_factory.mktemp(f"kv-{name}")
-        shutil.copytree(captured["path"], paths[name], dirs_exist_ok=True)
-    with ThreadPoolExecutor(len(LOADS)) as pool:
-        return {
-            name: (
-                paths[name],
-                pool.submit(run_engine, model, {**config, "path": str(paths[name])}),
-            )
-            for name, config in LOADS.items()
-        }
+def captured(
+    engines: dict[str, Engine], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """A run without connector, and one that saves each prompt's KV."""
+    path = tmp_path_factory.mktemp("kv")
+    capture = engines["connector"].run(mode="capture", path=str(path))
+    return {
+        "path": path,
+        "reference": engines["reference"].run(),
+        "capture": capture,
+        "computed": computed_tokens(path),
+    }
+
+
+def copy_of_captured(captured: dict[str, Any], tmp_path: Path) -> Path:
+    """A copy of the captured KV, for one run to load and record steps in."""
+    shutil.copytree(captured["path"], tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def test_capture_run_matches_run_without_connector(captured: dict[str, Any]):
@@ -126,10 +173,12 @@ def test_capture_run_matches_run_without_connector(captured: dict[str, Any]):
 
 
 def test_loaded_kv_gives_same_output_with_fewer_computed_tokens(
-    captured: dict[str, Any], loads: dict[str, Run]
+    engines: dict[str, Engine], captured: dict[str, Any], tmp_path: Path
 ):
-    path, run = loads["load"]
-    load = run.result()
+    path = copy_of_captured(captured, tmp_path)
+    load = engines["connector"].run(
+        mode="load", path=str(path), hit_tokens=[HIT_TOKENS]
+    )
     for ref, cap, out in zip(captured["reference"], captured["capture"], load):
         assert out["token_ids"] == ref["token_ids"]
         # vLLM runs the demo model in bfloat16 on CPU, and a prefill of
@@ -150,13 +199,15 @@ def test_loaded_kv_gives_same_output_with_fewer_computed_tokens(
 
 
 def test_hit_on_continuation_chunk_gives_same_output(
-    captured: dict[str, Any], loads: dict[str, Run]
+    engines: dict[str, Engine], captured: dict[str, Any], tmp_path: Path
 ):
     """Chunked prefill with chunks of one block: the connector reports its hit
     in the long prompt's second chunk, on a request the runner already holds.
     The greedy output must equal the run without a connector."""
-    path, run = loads["continuation"]
-    load = run.result()
+    path = copy_of_captured(captured, tmp_path)
+    load = engines["chunked"].run(
+        mode="load", path=str(path), hit_tokens=[HIT_TOKENS], hit_on="continuation"
+    )
     for ref, out in zip(captured["reference"], load):
         assert out["token_ids"] == ref["token_ids"]
         # bf16 noise of other prefill shapes, as above.
@@ -171,8 +222,13 @@ def test_hit_on_continuation_chunk_gives_same_output(
     assert computed_tokens(path) == captured["computed"] - (CHUNK - 1)
 
 
-def test_wrong_kv_changes_output(captured: dict[str, Any], loads: dict[str, Run]):
-    garbage = loads["garbage"][1].result()
+def test_wrong_kv_changes_output(
+    engines: dict[str, Engine], captured: dict[str, Any], tmp_path: Path
+):
+    path = copy_of_captured(captured, tmp_path)
+    garbage = engines["connector"].run(
+        mode="garbage", path=str(path), hit_tokens=[HIT_TOKENS]
+    )
     ref = captured["reference"][0]
     assert garbage[0]["num_cached_tokens"] == HIT_TOKENS
     # Far beyond the bf16 noise above (measured: other tokens, logprobs 2.5
@@ -185,11 +241,14 @@ def test_wrong_kv_changes_output(captured: dict[str, Any], loads: dict[str, Run]
 def test_tp2_ranks_reporting_different_hits_apply_the_minimum(
     model: Path, tmp_path: Path
 ):
-    capture = run_engine(model, {"mode": "capture", "path": str(tmp_path), "tp": 2})
-    load = run_engine(
-        model,
-        {"mode": "load", "path": str(tmp_path), "hit_tokens": [256, 128], "tp": 2},
-    )
+    # Its own engine: two TP ranks, each pinned to one of the two cores
+    # (started after the module's others, which it would only slow down).
+    engine = Engine(model, tmp_path / "engine.log", connector=True, tp=2)
+    try:
+        capture = engine.run(mode="capture", path=str(tmp_path))
+        load = engine.run(mode="load", path=str(tmp_path), hit_tokens=[256, 128])
+    finally:
+        engine.close()
     assert load[0]["num_cached_tokens"] == 128
     for cap, out in zip(capture, load):
         assert out["token_ids"] == cap["token_ids"]

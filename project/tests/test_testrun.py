@@ -133,11 +133,16 @@ def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
     assert (e2e.passed, e2e.failed) == (len(testrun.BESIDE_E2E_TESTS), 0)
     assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
     assert "--durations=25" in (logs / "workbench-tests.log").read_text()
+    # The pytest steps' reports stay for the time table.
+    assert (logs / "workbench-tests.xml").is_file()
+    assert (logs / "e2e-beside.xml").is_file()
+    assert hooks.seconds > 0 and e2e.seconds > 0
     log = (logs / "upstream.log").read_text().splitlines()
     assert log[0].startswith("$ ") and "regress --python" in log[0]
     assert log[1:] == ["regress output"]
     log = (logs / "release.log").read_text().splitlines()
     assert log[0].startswith("$ ") and "release-test --fast --summary-json" in log[0]
+    assert f"--junit {logs / 'release.xml'}" in log[0]
     assert log[1:] == ["regress output"]
 
 
@@ -153,16 +158,19 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
         print("hook output", file=out)
         return testrun.Verdict("project hooks", 3, 0, "3 hooks passed")
 
-    def upstream_tests(root, python, out):
+    def upstream_tests(root, python, out, junit):
         print("regress output", file=out)
         beside_ran.set()
         return testrun.Verdict("upstream and stack tests", 5, 0, "0 regressions")
 
-    def release_tests(root, out):
+    def release_tests(root, out, junit):
         print("release output", file=out)
         return testrun.Verdict("stack tests on the newest release", 6, 0, "ok")
 
-    def project_tests(root, python, env, rest, paths=(), ignore=(), name="", out=None):
+    def project_tests(
+        root, python, env, rest, paths=(), ignore=(), name="", out=None, junit=None
+    ):
+        assert junit is not None and junit.parent == root / "build" / "wb-test"
         assert rest == ["-k", "x"]
         if name == "workbench tests":
             assert paths == testrun.WORKBENCH_TESTS and out is not None
@@ -204,6 +212,9 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
         "=== project tests, beside: PASS: 4 passed",
         "=== summary",
         "=== 27 passed, 1 failed ===",
+        "=== time table: ",
+        "=== steps, slowest first (wall time)",
+        "=== the 0 slowest of 0 test files",
     ]
     positions = [out.index(line) for line in order]
     assert positions == sorted(positions), out
@@ -228,11 +239,75 @@ def test_a_failed_environment_does_not_leave_the_lane_beside_waiting(
     monkeypatch.setattr(testrun, "tools_python", lambda: python)
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", lambda root, tools, out: verdict)
-    monkeypatch.setattr(testrun, "_upstream_tests", lambda root, py, out: verdict)
-    monkeypatch.setattr(testrun, "_release_tests", lambda root, out: verdict)
+    monkeypatch.setattr(testrun, "_upstream_tests", lambda *args, **kw: verdict)
+    monkeypatch.setattr(testrun, "_release_tests", lambda *args, **kw: verdict)
     monkeypatch.setattr(testrun, "_project_tests", lambda *args, **kw: verdict)
     with pytest.raises(RuntimeError, match="no index"):
         testrun.run(tmp_path, [])
+
+
+def junit_xml(path: Path, cases: list[tuple[str, str, float]]) -> Path:
+    """A pytest JUnit XML report of ``cases`` (classname, name, seconds)."""
+    testcases = "".join(
+        f'<testcase classname="{classname}" name="{name}" time="{seconds}" />'
+        for classname, name, seconds in cases
+    )
+    path.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite '
+        f'name="pytest" tests="{len(cases)}">{testcases}</testsuite></testsuites>'
+    )
+    return path
+
+
+def test_time_table_puts_the_slowest_steps_and_test_files_first(tmp_path: Path):
+    """Steps by wall time; test files by the sum of their tests' times across
+    reports (a test class's tests count for its file; a file of another tree
+    is named from the root), the ``top`` slowest only."""
+    tree = tmp_path / "build" / "tree"
+    for path in ("project/tests/test_a.py", "project/tests/test_b.py",
+                 "project/tests/test_c.py", "build/tree/tests/test_d.py",
+                 "build/tree/tests/test_e.py"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    main_lane = junit_xml(
+        tmp_path / "main.xml",
+        [
+            ("project.tests.test_a", "test_one", 1.5),
+            ("project.tests.test_b", "test_one", 3.0),
+            ("project.tests.test_c", "test_one", 0.5),
+            ("project.tests.test_a.TestGroup", "test_two", 2.0),
+        ],
+    )
+    # The other lane: one more test of test_c.
+    beside = junit_xml(tmp_path / "beside.xml", [("project.tests.test_c", "t", 1)])
+    regress = junit_xml(
+        tmp_path / "regress.xml",
+        [("tests.test_d", "test_one", 3.4), ("tests.test_e", "test_one", 0.1)],
+    )
+    lines = testrun.timetable(
+        "Some CPU, 2 cores",
+        [("hooks", 1.0), ("project tests", 50.0), ("release", 2.5)],
+        [
+            (main_lane, tmp_path),
+            (tmp_path / "missing.xml", tmp_path),
+            (beside, tmp_path),
+            (regress, tree),
+        ],
+        tmp_path,
+        top=4,
+    )
+    assert lines == [
+        "=== time table: Some CPU, 2 cores",
+        "=== steps, slowest first (wall time)",
+        "    50.0 s  project tests",
+        "     2.5 s  release",
+        "     1.0 s  hooks",
+        "=== the 4 slowest of 5 test files (their tests' setup + call + teardown)",
+        "     3.5 s     2 tests  project/tests/test_a.py",
+        "     3.4 s     1 tests  build/tree/tests/test_d.py",
+        "     3.0 s     1 tests  project/tests/test_b.py",
+        "     1.5 s     2 tests  project/tests/test_c.py",
+    ]
 
 
 def test_workbench_tests_are_test_files_of_the_project():

@@ -14,7 +14,9 @@ logs and printed after the end-to-end tests (pytest's ``--durations``
 reports show where time went). Each step ends with one verdict line; the
 last line counts tests in the form CI runners read (``N passed, M failed``),
 where a failure of the unpatched release that the patched build shares is
-not counted: only regressions are.
+not counted: only regressions are. A time table closes the run: the
+machine, each step's wall time and the slowest test files (from the steps'
+JUnit XML, kept in the logs' folder), slowest first.
 """
 
 from __future__ import annotations
@@ -25,13 +27,18 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from workbench import devenv, syspkgs, upstream
+from bench import machine
+
+from workbench import derive, devenv, regress, syspkgs, upstream
 from workbench.tools import tools_python
 
 
@@ -43,10 +50,29 @@ class Verdict:
     passed: int
     failed: int
     detail: str
+    seconds: float = 0.0  # its wall time, set by ``_timed``
 
     def line(self) -> str:
         word = "FAIL" if self.failed else "PASS"
         return f"=== {self.name}: {word}: {self.detail}"
+
+
+def _timed(step: Callable[[], Verdict]) -> Verdict:
+    """``step``'s verdict, with its wall time."""
+    start = time.monotonic()
+    verdict = step()
+    verdict.seconds = time.monotonic() - start
+    return verdict
+
+
+@contextmanager
+def _clock(times: list[tuple[str, float]], name: str) -> Iterator[None]:
+    """Add ``(name, wall time)`` of the ``with`` block to ``times``."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        times.append((name, time.monotonic() - start))
 
 
 def _call(
@@ -97,11 +123,15 @@ def _project_tests(
     ignore: tuple[str, ...] = (),
     name: str = "project tests",
     out: TextIO | None = None,
+    junit: Path | None = None,
 ) -> Verdict:
     """The project's pytest suite (``paths`` less ``ignore``), counted from
-    its JUnit XML; its output goes to ``out`` (a file; default: stdout)."""
+    its JUnit XML (kept at ``junit`` if given); its output goes to ``out``
+    (a file; default: stdout)."""
     with tempfile.TemporaryDirectory(prefix="kvlc-test-") as tmp:
-        junit = Path(tmp) / "junit.xml"
+        junit = junit or Path(tmp) / "junit.xml"
+        # Not the report of an earlier run, if this one writes none.
+        junit.unlink(missing_ok=True)
         cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider"]
         # A passed test's files go at the session's end: the workbench's
         # tests alone leave 1.6 GB of trees and wheels, pytest keeps three
@@ -128,13 +158,20 @@ def _project_tests(
 
 
 def _regress_step(
-    root: Path, name: str, args: list[str], out: TextIO | None = None
+    root: Path,
+    name: str,
+    args: list[str],
+    out: TextIO | None = None,
+    junit: Path | None = None,
 ) -> Verdict:
     """``wb <args> --summary-json``, a ``wb regress`` run: only regressions
-    count as failures. Its output goes to ``out`` (a file; default: stdout)."""
+    count as failures. Its output goes to ``out`` (a file; default: stdout),
+    its JUnit XML to ``junit`` if given."""
     with tempfile.TemporaryDirectory(prefix="kvlc-test-") as tmp:
         summary = Path(tmp) / "summary.json"
         cmd = [sys.executable, str(root / "wb"), *args, "--summary-json", str(summary)]
+        if junit is not None:
+            cmd += ["--junit", str(junit)]
         status = _call(cmd, root, out=out)
         if not summary.exists():
             return Verdict(name, 0, 1, f"wb {args[0]} exited {status} with no verdict")
@@ -147,16 +184,20 @@ def _regress_step(
     return Verdict(name, counts["passed"], counts["regressions"], detail)
 
 
-def _upstream_tests(root: Path, python: Path, out: TextIO | None = None) -> Verdict:
+def _upstream_tests(
+    root: Path, python: Path, out: TextIO | None = None, junit: Path | None = None
+) -> Verdict:
     """``wb regress --fast --stack`` on the pinned release."""
     args = ["regress", "--python", str(python), "--fast", "--stack"]
-    return _regress_step(root, "upstream and stack tests", args, out)
+    return _regress_step(root, "upstream and stack tests", args, out, junit)
 
 
-def _release_tests(root: Path, out: TextIO | None = None) -> Verdict:
+def _release_tests(
+    root: Path, out: TextIO | None = None, junit: Path | None = None
+) -> Verdict:
     """``wb release-test --fast``: the stack on the newest release."""
     name = f"upstream and stack tests on vLLM {upstream.NEXT_RELEASE}"
-    return _regress_step(root, name, ["release-test", "--fast"], out)
+    return _regress_step(root, name, ["release-test", "--fast"], out, junit)
 
 
 # The workbench's own tests: no engine, mostly git, zip and file copies (the
@@ -195,6 +236,19 @@ BESIDE_LOGS = (
 )
 
 
+def junit_reports(root: Path, logs: Path) -> dict[str, tuple[Path, Path]]:
+    """Each pytest step's JUnit XML in ``logs``, with the tree its tests
+    ran from: the project's (both lanes), the workbench's, ``wb regress``'s
+    (its stack tree) and ``wb release-test``'s (the derived tree)."""
+    return {
+        "project": (logs / "project-tests.xml", root),
+        "workbench": (logs / "workbench-tests.xml", root),
+        "upstream": (logs / "upstream.xml", root / regress.STACK_TREE),
+        "release": (logs / "release.xml", derive.default_tree(root)),
+        "e2e-beside": (logs / "e2e-beside.xml", root),
+    }
+
+
 def _beside(
     root: Path,
     tools: Path,
@@ -207,36 +261,49 @@ def _beside(
     then ``BESIDE_E2E_TESTS`` in ``e2e_env`` (once the other lane has made
     the environments they need): the steps that run beside the project's
     end-to-end tests, each with its output in its log (``BESIDE_LOGS``)."""
-    hooks, workbench, regress, release, e2e = (logs / name for name in BESIDE_LOGS)
+    hooks, workbench, upstream_log, release, e2e = (logs / name for name in BESIDE_LOGS)
+    junits = {name: junit for name, (junit, _) in junit_reports(root, logs).items()}
     with hooks.open("w") as out:
-        verdicts = [_hooks(root, tools, out)]
+        verdicts = [_timed(lambda: _hooks(root, tools, out))]
     with workbench.open("w") as out:
         env = {"KVLC_REQUIRE_E2E": "1"}
         verdicts.append(
-            _project_tests(
-                root,
-                python,
-                env,
-                rest,
-                WORKBENCH_TESTS,
-                name="workbench tests",
-                out=out,
+            _timed(
+                lambda: _project_tests(
+                    root,
+                    python,
+                    env,
+                    rest,
+                    WORKBENCH_TESTS,
+                    name="workbench tests",
+                    out=out,
+                    junit=junits["workbench"],
+                )
             )
         )
-    with regress.open("w") as out:
-        verdicts.append(_upstream_tests(root, python, out))
+    with upstream_log.open("w") as out:
+        verdicts.append(
+            _timed(lambda: _upstream_tests(root, python, out, junit=junits["upstream"]))
+        )
     with release.open("w") as out:
-        verdicts.append(_release_tests(root, out))
+        verdicts.append(
+            _timed(lambda: _release_tests(root, out, junit=junits["release"]))
+        )
+    # Its wall time, not its wait for the other lane's environments.
+    env = e2e_env.result()
     with e2e.open("w") as out:
         verdicts.append(
-            _project_tests(
-                root,
-                python,
-                e2e_env.result(),
-                rest,
-                BESIDE_E2E_TESTS,
-                name="project tests, beside",
-                out=out,
+            _timed(
+                lambda: _project_tests(
+                    root,
+                    python,
+                    env,
+                    rest,
+                    BESIDE_E2E_TESTS,
+                    name="project tests, beside",
+                    out=out,
+                    junit=junits["e2e-beside"],
+                )
             )
         )
     return verdicts
@@ -244,13 +311,21 @@ def _beside(
 
 def run(root: Path, rest: list[str]) -> int:
     """The whole of ``./wb test``; ``rest`` goes to the project's pytest."""
+    start = time.monotonic()
+    # The environments' steps (each takes time where it makes its venv).
+    times: list[tuple[str, float]] = []
     # Seconds, not minutes after the install, when it cannot go on.
-    if not syspkgs.ensure(root):
+    with _clock(times, "system packages"):
+        ready = syspkgs.ensure(root)
+    if not ready:
         return 1
-    python = devenv.ensure(root)
-    tools = tools_python()
+    with _clock(times, "environment .venv (the patched vLLM)"):
+        python = devenv.ensure(root)
+    with _clock(times, "environment of the tools"):
+        tools = tools_python()
     # Both lanes below read the pristine tree; its unpack must not race.
-    upstream.pristine_tree()
+    with _clock(times, "pristine tree"):
+        upstream.pristine_tree()
     # pytest keeps one core busy, and an engine's start mostly one: the
     # end-to-end tests leave the second core of a 2-core runner idle most of
     # the time. The hooks, the workbench's tests (I/O more than CPU) and
@@ -265,8 +340,10 @@ def run(root: Path, rest: list[str]) -> int:
         try:
             # The end-to-end tests compare with the release and must not
             # skip in CI.
-            unpatched = devenv.ensure_unpatched(root)
-            devenv.ensure_lmcache(root)
+            with _clock(times, "environment of the unpatched release"):
+                unpatched = devenv.ensure_unpatched(root)
+            with _clock(times, "environment of LMCache"):
+                devenv.ensure_lmcache(root)
         except BaseException as e:
             # Or the lane beside would wait for the environments forever.
             e2e_env.set_exception(e)
@@ -275,12 +352,15 @@ def run(root: Path, rest: list[str]) -> int:
             {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
         )
         print("=== project tests", flush=True)
-        tests = _project_tests(
-            root,
-            python,
-            e2e_env.result(),
-            rest,
-            ignore=WORKBENCH_TESTS + BESIDE_E2E_TESTS,
+        tests = _timed(
+            lambda: _project_tests(
+                root,
+                python,
+                e2e_env.result(),
+                rest,
+                ignore=WORKBENCH_TESTS + BESIDE_E2E_TESTS,
+                junit=junit_reports(root, logs)["project"][0],
+            )
         )
         print(tests.line(), flush=True)
         if not beside.done():
@@ -292,6 +372,12 @@ def run(root: Path, rest: list[str]) -> int:
         print(verdict.line(), flush=True)
     lines, status = summary([steps[0], tests, *steps[1:]])
     print("\n".join(lines), flush=True)
+    times += [(tests.name, tests.seconds)]
+    times += [(f"{v.name} (beside)", v.seconds) for v in steps]
+    times += [("./wb test, in all", time.monotonic() - start)]
+    reports = list(junit_reports(root, logs).values())
+    table = timetable(machine.describe(), times, reports, root)
+    print("\n".join(table), flush=True)
     return status
 
 
@@ -302,3 +388,37 @@ def summary(verdicts: list[Verdict]) -> tuple[list[str], int]:
     lines = ["=== summary", *(v.line() for v in verdicts)]
     lines.append(f"=== {passed} passed, {failed} failed ===")
     return lines, 1 if failed else 0
+
+
+def timetable(
+    cpu: str,
+    steps: list[tuple[str, float]],
+    junits: list[tuple[Path, Path]],
+    root: Path,
+    top: int = 20,
+) -> list[str]:
+    """The time table: the machine ``cpu``, each of ``steps`` (name, wall
+    seconds), then the ``top`` slowest test files of the (JUnit XML, test
+    tree) pairs ``junits`` (a missing report is skipped), each the sum of its
+    tests' setup, call and teardown; slowest first. A file's path is relative
+    to ``root``."""
+    lines = [f"=== time table: {cpu}", "=== steps, slowest first (wall time)"]
+    for name, seconds in sorted(steps, key=lambda step: -step[1]):
+        lines.append(f"{seconds:8.1f} s  {name}")
+    files: dict[Path, tuple[float, int]] = {}
+    for junit, tree in junits:
+        if not junit.exists():
+            continue
+        for path, seconds, count in regress.file_durations(junit, tree):
+            file = tree / path
+            file = file.relative_to(root) if file.is_relative_to(root) else file
+            total, tests = files.get(file, (0.0, 0))
+            files[file] = (total + seconds, tests + count)
+    slowest = sorted(files.items(), key=lambda row: (-row[1][0], row[0]))[:top]
+    lines.append(
+        f"=== the {len(slowest)} slowest of {len(files)} test files "
+        "(their tests' setup + call + teardown)"
+    )
+    for file, (seconds, tests) in slowest:
+        lines.append(f"{seconds:8.1f} s  {tests:4d} tests  {file}")
+    return lines
