@@ -44,10 +44,10 @@ def make(
     return core, SchedulerSide(core, BLOCK, worker_hits=False, manager=lambda: None)
 
 
-def request(num_tokens: int, name: str = "r") -> Request:
+def request(num_tokens: int, name: str = "r", first: int = 100) -> Request:
     return Request(
         request_id=name,
-        prompt_token_ids=list(range(100, 100 + num_tokens)),
+        prompt_token_ids=list(range(first, first + num_tokens)),
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
         block_hasher=get_request_block_hasher(BLOCK, sha256),
@@ -438,6 +438,19 @@ def test_what_a_process_knows_stored_is_bounded(
         assert work.exists >= 8
 
 
+def formatted_keys(core: StoreCore, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The block hashes whose chunk keys ``core`` formats from now on."""
+    formatted: list[bytes] = []
+    keys_of = core.keys_of
+
+    def counting_keys_of(block_hashes: Sequence[bytes]) -> list[list[str]]:
+        formatted.extend(block_hashes)
+        return keys_of(block_hashes)
+
+    monkeypatch.setattr(core, "keys_of", counting_keys_of)
+    return formatted
+
+
 def test_a_repeated_hit_formats_no_chunk_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -450,14 +463,7 @@ def test_a_repeated_hit_formats_no_chunk_keys(
     offer = scheduler.offer(req, 0)
     assert offer is not None
     scheduler.commit(req, list(range(9)), offer, offer.num_tokens)
-    formatted: list[bytes] = []
-    keys_of = core.keys_of
-
-    def counting_keys_of(block_hashes: Sequence[bytes]) -> list[list[str]]:
-        formatted.extend(block_hashes)
-        return keys_of(block_hashes)
-
-    monkeypatch.setattr(core, "keys_of", counting_keys_of)
+    formatted = formatted_keys(core, monkeypatch)
     again = scheduler.offer(request(8 * BLOCK + 1, name="r2"), 0)
     assert again is not None and again.keys == offer.keys
     assert formatted == []
@@ -475,28 +481,14 @@ def test_the_blocks_a_scheduler_remembers_are_bounded(
         core, BLOCK, worker_hits=False, manager=lambda: None, known_blocks=64
     )
     prompts = [
-        Request(
-            request_id=f"r{i}",
-            prompt_token_ids=[1000 * (i + 1) + t for t in range(32 * BLOCK + 1)],
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK, sha256),
-        )
-        for i in range(20)
+        request(32 * BLOCK + 1, f"r{i}", first=1000 * (i + 1)) for i in range(20)
     ]
     for req in prompts:
         store(core, req, list(range(32)), ranks=(0,))
         offer = scheduler.offer(req, 0)
         assert offer is not None and offer.num_blocks == 32
         scheduler.commit(req, list(range(33)), offer, offer.num_tokens)
-    formatted: list[bytes] = []
-    keys_of = core.keys_of
-
-    def counting_keys_of(block_hashes: Sequence[bytes]) -> list[list[str]]:
-        formatted.extend(block_hashes)
-        return keys_of(block_hashes)
-
-    monkeypatch.setattr(core, "keys_of", counting_keys_of)
+    formatted = formatted_keys(core, monkeypatch)
     assert scheduler.offer(prompts[-1], 0) is not None
     assert formatted == []
     assert scheduler.offer(prompts[0], 0) is not None

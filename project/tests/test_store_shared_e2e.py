@@ -247,18 +247,35 @@ def test_store_turned_read_only_logs_one_outage_and_its_end(setup):
     assert "store read failed" not in after, after
 
 
+def store_new(writer: Engine, store: Path, tag: str) -> tuple[Answer, list[Path]]:
+    """Send ``prompt(tag)`` once (a miss, stored); its answer and the two
+    chunk files it added."""
+    before = set(store_files(store))
+    first = writer.complete(prompt(tag))
+    added = [store / name for name in set(store_files(store)) - before]
+    chunks = [p for p in added if "chunks" in p.parts]
+    assert len(chunks) == 2, added
+    return first, chunks
+
+
+def recomputed_then_hit(writer: Engine, tag: str, first: Answer) -> None:
+    """The next request for ``prompt(tag)`` is a miss (stored again) with
+    ``first``'s output, the one after it a hit."""
+    recomputed = writer.complete(prompt(tag))
+    assert recomputed.cached_tokens == 0
+    assert_same_output(recomputed, first)
+    again = writer.complete(prompt(tag))
+    assert again.cached_tokens == 2 * BLOCK
+    assert_same_output(again, first)
+
+
 def test_damaged_chunk_under_the_default_policy_fails_its_request(setup):
     """Under vLLM's default ``kv_load_failure_policy`` (``fail``) a chunk
     whose payload fails its digest at load fails its request (an HTTP
     error), and the log says so; the chunk is deleted, so the next request
     recomputes and stores it again."""
     writer: Engine = setup["writer"]
-    store: Path = setup["store"]
-    before = set(store_files(store))
-    first = writer.complete(prompt("damaged"))
-    added = [store / name for name in set(store_files(store)) - before]
-    chunks = [p for p in added if "chunks" in p.parts]
-    assert len(chunks) == 2, added
+    first, chunks = store_new(writer, setup["store"], "damaged")
     for path in chunks:
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
@@ -272,12 +289,7 @@ def test_damaged_chunk_under_the_default_policy_fails_its_request(setup):
         "(kv_load_failure_policy 'fail'"
     ) in log
     assert "treated as a miss" not in log
-    recomputed = writer.complete(prompt("damaged"))
-    assert recomputed.cached_tokens == 0
-    assert_same_output(recomputed, first)
-    again = writer.complete(prompt("damaged"))
-    assert again.cached_tokens == 2 * BLOCK
-    assert_same_output(again, first)
+    recomputed_then_hit(writer, "damaged", first)
 
 
 def test_chunk_removed_by_hand_fails_at_most_the_request_that_loads_it(setup):
@@ -289,11 +301,7 @@ def test_chunk_removed_by_hand_fails_at_most_the_request_that_loads_it(setup):
     them."""
     writer: Engine = setup["writer"]
     store: Path = setup["store"]
-    before = set(store_files(store))
-    first = writer.complete(prompt("gone"))
-    added = [store / name for name in set(store_files(store)) - before]
-    chunks = [p for p in added if "chunks" in p.parts]
-    assert len(chunks) == 2, added
+    first, chunks = store_new(writer, store, "gone")
     for path in chunks:
         path.unlink()
     with pytest.raises(urllib.error.HTTPError) as failed:
@@ -302,11 +310,6 @@ def test_chunk_removed_by_hand_fails_at_most_the_request_that_loads_it(setup):
     log = writer.server.log_text()
     assert "chunk(s) gone from the store at load (" in log
     assert "their blocks fail to load and vLLM fails the request" in log
-    recomputed = writer.complete(prompt("gone"))
-    assert recomputed.cached_tokens == 0
-    assert_same_output(recomputed, first)
-    again = writer.complete(prompt("gone"))
-    assert again.cached_tokens == 2 * BLOCK
-    assert_same_output(again, first)
+    recomputed_then_hit(writer, "gone", first)
     on_disk = sum(p.stat().st_size for p in (store / "chunks").rglob("*.0"))
     assert int((store / "size").read_text()) == on_disk

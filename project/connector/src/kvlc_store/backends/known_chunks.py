@@ -175,20 +175,18 @@ class KnownChunks:
         if not self.current(learn=False):
             return
         path = self._record()
-        lines = [
-            f"{key} {layout}\n"
+        new = {
+            key: layout
             for key, layout in headers.items()
             if key in self.stored and self.checked.get(key) != layout
-        ]
-        if path is None or not lines:
+        }
+        if path is None or not new:
             return
         fd = self._create(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
         try:
             if os.fstat(fd).st_size >= RECORD_BYTES:
                 return
-            os.write(fd, "".join(lines).encode())
+            os.write(fd, "".join(f"{k} {v}\n" for k, v in new.items()).encode())
         finally:
             os.close(fd)
-        self.checked.update(
-            (key, layout) for key, layout in headers.items() if key in self.stored
-        )
+        self.checked.update(new)
