@@ -113,3 +113,41 @@ def test_a_side_environment_links_the_files_dot_venv_holds_byte_for_byte(
     assert (side / "vllm/_C.so").read_bytes() == b"release" * 2000
     assert not same("lib/libgomp.so", "lib/libgomp-renamed.so")
     assert "linked" in capsys.readouterr().out
+
+
+def test_a_side_environment_is_made_once_per_inputs_and_shared_by_clones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Made in the cache folder and linked from each clone's ``build/``
+    (an environment a clone made itself is replaced by the link); a second
+    clean clone with the same inputs makes nothing; new inputs remake it."""
+    made: list[list[str]] = []
+
+    def pip_install(python, packages, what, log, env=None):
+        made.append(packages)
+        (python.parent.parent / "installed").write_text(" ".join(packages))
+
+    monkeypatch.setenv("KVLC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(devenv, "pip_install", pip_install)
+    monkeypatch.setattr(devenv, "_run", lambda cmd, what: None)
+    def create(env_dir: Path, **kwargs: object) -> None:
+        assert kwargs["clear"]  # what the last inputs left goes
+        shutil.rmtree(env_dir, ignore_errors=True)
+        env_dir.mkdir(parents=True)
+
+    monkeypatch.setattr(devenv.venv, "create", create)
+    first, second = tmp_path / "clone-1", tmp_path / "clone-2"
+    (first / "build" / "venv-side" / "bin").mkdir(parents=True)
+
+    python = devenv._side_env(first, "venv-side", "inputs 1", ["pkg==1"], "pkg")
+    env = tmp_path / "cache" / "venv-side"
+    assert python == first / "build" / "venv-side" / "bin" / "python"
+    assert (first / "build" / "venv-side").readlink() == env
+    assert (env / "installed").read_text() == "pkg==1"
+    devenv._side_env(second, "venv-side", "inputs 1", ["pkg==1"], "pkg")
+    assert made == [["pkg==1"]]
+    assert (second / "build" / "venv-side").readlink() == env
+
+    devenv._side_env(second, "venv-side", "inputs 2", ["pkg==2"], "pkg")
+    assert made == [["pkg==1"], ["pkg==2"]]
+    assert (first / "build" / "venv-side" / "installed").read_text() == "pkg==2"

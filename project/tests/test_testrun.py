@@ -4,14 +4,12 @@ pytest run or a stand-in for the tool it calls."""
 from __future__ import annotations
 
 import sys
-import threading
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
-from workbench import testrun
+from workbench import lanes, testrun
 
 HOOKS_OUTPUT = """\
 ruff check...........................................................Passed
@@ -92,14 +90,10 @@ def test_a_step_that_gives_no_verdict_fails(tmp_path: Path):
     assert status == 1 and lines[-1] == "=== 0 passed, 1 failed ==="
 
 
-def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
-    """The hooks, the workbench's tests, ``wb regress``, then the share of
-    the end-to-end tests, each with its commands and output in its log,
-    nothing on stdout, and their verdicts."""
-    tools = executable(
-        tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
-    )
-    counts = {"passed": 7, "regressions": 0, "known_failures": 0, "retired": 0}
+def stand_in_wb(tmp_path: Path, passed: int) -> None:
+    """A stand-in for ``wb regress`` and ``wb release-test``: writes the
+    verdict it was asked for."""
+    counts = {"passed": passed, "regressions": 0, "known_failures": 0, "retired": 0}
     executable(
         tmp_path / "wb",
         "import json, sys\n"
@@ -107,52 +101,161 @@ def test_steps_beside_keep_their_output_in_logs(tmp_path: Path):
         f"open(out, 'w').write(json.dumps({counts!r}))\n"
         "print('regress output')",
     )
+
+
+def test_a_lane_runs_its_steps_then_its_test_files_each_with_its_log(
+    tmp_path: Path,
+):
+    """Steps one by one, then the workbench's test files in one pytest run;
+    once the environments are made, the release's step and the project's
+    test files in one more, in their variables; each with its log and
+    verdict, nothing on stdout but the verdict lines."""
+    tools = executable(
+        tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
+    )
+    stand_in_wb(tmp_path, 7)
     tests = tmp_path / "project" / "tests"
     tests.mkdir(parents=True)
-    for path in testrun.WORKBENCH_TESTS:
+    workbench = testrun.WORKBENCH_TESTS[:2]
+    for path in workbench:
         (tmp_path / path).write_text("def test_a(): pass\n")
-    for path in testrun.BESIDE_E2E_TESTS:
-        (tmp_path / path).write_text(
+    for name in ("test_e2e.py", "test_other.py"):
+        (tests / name).write_text(
             "import os\ndef test_c(): assert os.environ['KVLC_REQUIRE_E2E'] == '1'\n"
+            "def test_d(): assert os.environ['KVLC_UPSTREAM_PYTHON'] == 'up'\n"
         )
-    (tests / "test_e2e.py").write_text("def test_b(): pass\n")
+    (tests / "test_not_in_the_share.py").write_text("def test_e(): assert False\n")
     logs = tmp_path / "logs"
     logs.mkdir()
-    e2e_env: Future[dict[str, str]] = Future()
-    e2e_env.set_result({"KVLC_REQUIRE_E2E": "1"})
-    hooks, workbench, upstream, release, e2e = testrun._beside(
-        tmp_path, tools, Path(sys.executable), [], logs, e2e_env
-    )
-    assert (hooks.passed, hooks.failed) == (2, 1)
-    # Only the workbench's own test files, none other.
-    assert (workbench.passed, workbench.failed) == (len(testrun.WORKBENCH_TESTS), 0)
-    assert (upstream.passed, upstream.failed) == (7, 0)
-    assert (release.passed, release.failed) == (7, 0)
-    assert release.name.endswith(f"on vLLM {testrun.upstream.NEXT_RELEASE}")
-    # Only its share of the end-to-end tests, in the environment given.
-    assert (e2e.passed, e2e.failed) == (len(testrun.BESIDE_E2E_TESTS), 0)
+    share = [
+        lanes.Job("project/tests/test_e2e.py", 9, needs_envs=True),
+        lanes.Job(testrun.HOOKS, 8),
+        lanes.Job(workbench[0], 7),
+        lanes.Job(testrun.RELEASE, 6, needs_envs=True),
+        lanes.Job(testrun.UPSTREAM, 5),
+        lanes.Job(workbench[1], 4),
+        lanes.Job("project/tests/test_other.py", 3, needs_envs=True),
+    ]
+    envs: Future[dict[str, str]] = Future()
+    ran = testrun._lane(
+        2, share, tmp_path, tools, Path(sys.executable), [], logs, envs,
+        lambda: {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": "up"},
+    )  # fmt: skip
+    assert envs.result()["KVLC_UPSTREAM_PYTHON"] == "up"
+    assert [(r.verdict.name, r.verdict.passed, r.verdict.failed) for r in ran] == [
+        ("project hooks", 2, 1),
+        ("upstream and stack tests", 7, 0),
+        ("workbench tests, lane 2", 2, 0),
+        (f"upstream and stack tests on vLLM {testrun.upstream.NEXT_RELEASE}", 7, 0),
+        ("project tests, lane 2", 4, 0),
+    ]
+    assert [r.log.name for r in ran] == [
+        "hooks.log",
+        "upstream.log",
+        "workbench-tests-lane-2.log",
+        "release.log",
+        "project-tests-lane-2.log",
+    ]
+    assert all(r.verdict.seconds > 0 for r in ran)
     assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
-    assert "--durations=25" in (logs / "workbench-tests.log").read_text()
+    assert "--durations=25" in (logs / "workbench-tests-lane-2.log").read_text()
     # The pytest steps' reports stay for the time table.
-    assert (logs / "workbench-tests.xml").is_file()
-    assert (logs / "e2e-beside.xml").is_file()
-    assert hooks.seconds > 0 and e2e.seconds > 0
+    assert (logs / "workbench-tests-lane-2.xml").is_file()
+    assert (logs / "project-tests-lane-2.xml").is_file()
     log = (logs / "upstream.log").read_text().splitlines()
     assert log[0].startswith("$ ") and "regress --python" in log[0]
     assert log[1:] == ["regress output"]
     log = (logs / "release.log").read_text().splitlines()
     assert log[0].startswith("$ ") and "release-test --fast --summary-json" in log[0]
     assert f"--junit {logs / 'release.xml'}" in log[0]
-    assert log[1:] == ["regress output"]
 
 
-def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
+def test_plan_puts_the_longest_job_first_where_it_ends_soonest():
+    jobs = [lanes.Job(name, seconds) for name, seconds in
+            (("a", 5), ("b", 4), ("c", 3), ("d", 3), ("e", 2), ("f", 1))]  # fmt: skip
+    shares = lanes.plan(jobs, 2, 0.0)
+    assert [[job.name for job in share] for share in shares] == [
+        ["a", "d", "f"],
+        ["b", "c", "e"],
+    ]
+    with pytest.raises(ValueError, match="at least 1"):
+        lanes.plan(jobs, 0, 0.0)
+
+
+def test_jobs_needing_the_environments_start_after_lane_0_made_them():
+    """Lane 0 spends the environments' time first; a job that needs them
+    starts no earlier in any lane, and after its lane's other jobs."""
+    jobs = [
+        lanes.Job("e2e", 10, needs_envs=True),
+        lanes.Job("small e2e", 2, needs_envs=True),
+        lanes.Job("hooks", 3),
+        lanes.Job("upstream", 6),
+    ]
+    shares = lanes.plan(jobs, 2, 8.0)
+    # upstream and hooks fill lane 1 until the environments are there (9 s);
+    # the long e2e file then ends soonest in lane 0 (8 + 10).
+    assert [[job.name for job in share] for share in shares] == [
+        ["e2e"],
+        ["upstream", "hooks", "small e2e"],
+    ]
+
+
+def test_jobs_are_every_test_file_and_the_three_steps_with_measured_times(
+    tmp_path: Path,
+):
+    tests = tmp_path / "project" / "tests"
+    tests.mkdir(parents=True)
+    for name in ("test_x_e2e.py", "conftest.py", "driver.py"):
+        (tests / name).write_text("")
+    workbench = tmp_path / testrun.WORKBENCH_TESTS[0]
+    workbench.write_text("")
+    times = {"hooks": 1.0, "project/tests/test_x_e2e.py": 40.0, "gone.py": 9.0}
+    jobs = {job.name: job for job in testrun.jobs(tmp_path, times)}
+    assert jobs == {
+        "hooks": lanes.Job("hooks", 1.0),
+        "upstream": lanes.Job("upstream", lanes.UNMEASURED_S),
+        "release": lanes.Job("release", lanes.UNMEASURED_S, needs_envs=True),
+        "project/tests/test_x_e2e.py": lanes.Job(
+            "project/tests/test_x_e2e.py", 40.0, needs_envs=True
+        ),
+        testrun.WORKBENCH_TESTS[0]: lanes.Job(
+            testrun.WORKBENCH_TESTS[0], lanes.UNMEASURED_S
+        ),
+    }
+
+
+def test_lane_count_is_the_cores_and_one_unless_set(monkeypatch):
+    monkeypatch.delenv(testrun.LANES_VAR, raising=False)
+    monkeypatch.setattr(testrun.os, "cpu_count", lambda: 2)
+    assert testrun.lane_count() == 3
+    monkeypatch.setenv(testrun.LANES_VAR, "5")
+    assert testrun.lane_count() == 5
+    monkeypatch.setenv(testrun.LANES_VAR, "two")
+    with pytest.raises(testrun.WorkbenchError, match="KVLC_TEST_LANES='two'"):
+        testrun.lane_count()
+
+
+def test_the_measured_times_file_is_sorted_and_read_back(tmp_path: Path):
+    path = tmp_path / "project" / "ci" / "test-times.json"
+    path.parent.mkdir(parents=True)
+    lanes.write(path, {"b": 2.04, "a": 1.0})
+    assert path.read_text() == '{\n "a": 1.0,\n "b": 2.0\n}\n'
+    assert lanes.load(tmp_path) == {"a": 1.0, "b": 2.0}
+    assert lanes.load(tmp_path / "elsewhere") == {}
+
+
+def test_run_shares_every_job_among_the_lanes_and_reports_them_after(
     tmp_path: Path, monkeypatch, capsys
 ):
-    """The whole of ``./wb test`` with each step's tool stood in for: the
-    steps beside finish during the end-to-end tests, and their logs and
-    verdicts follow those tests' verdict, then the count."""
-    beside_ran = threading.Event()
+    """The whole of ``./wb test`` with each step's tool stood in for: each
+    job runs once, in some lane; the environments are made once, before
+    the jobs needing them; the logs and verdicts follow, then the count,
+    the time table and the times measured."""
+    made: list[str] = []
+
+    def unpatched(root):
+        made.append("unpatched")
+        return Path("/up/python")
 
     def hooks(root, tools, out):
         print("hook output", file=out)
@@ -160,82 +263,83 @@ def test_run_reports_the_steps_beside_after_the_end_to_end_tests(
 
     def upstream_tests(root, python, out, junit):
         print("regress output", file=out)
-        beside_ran.set()
         return testrun.Verdict("upstream and stack tests", 5, 0, "0 regressions")
 
     def release_tests(root, out, junit):
+        assert made == ["unpatched", "lmcache", "release"]
         print("release output", file=out)
         return testrun.Verdict("stack tests on the newest release", 6, 0, "ok")
 
-    def project_tests(
-        root, python, env, rest, paths=(), ignore=(), name="", out=None, junit=None
-    ):
+    seen: list[str] = []
+
+    def project_tests(root, python, env, rest, paths=(), name="", out=None, junit=None):
         assert junit is not None and junit.parent == root / "build" / "wb-test"
         assert rest == ["-k", "x"]
-        if name == "workbench tests":
-            assert paths == testrun.WORKBENCH_TESTS and out is not None
-            print("workbench output", file=out)
-            return testrun.Verdict(name, 2, 0, "2 passed")
-        assert env["KVLC_REQUIRE_E2E"] == "1"
-        assert env["KVLC_UPSTREAM_PYTHON"] == str(python)
-        if name == "project tests, beside":
-            assert paths == testrun.BESIDE_E2E_TESTS and out is not None
-            print("beside e2e output", file=out)
-            return testrun.Verdict(name, 4, 0, "4 passed")
-        assert beside_ran.wait(30), "the steps beside did not run meanwhile"
-        assert ignore == testrun.WORKBENCH_TESTS + testrun.BESIDE_E2E_TESTS
-        return testrun.Verdict("project tests", 7, 1, "7 passed, 1 failed")
+        seen.extend(paths)
+        if name.startswith("project tests"):
+            assert made == ["unpatched", "lmcache", "release"]
+            assert env["KVLC_UPSTREAM_PYTHON"] == "/up/python"
+        print(f"{name} output", file=out)
+        return testrun.Verdict(name, len(paths), 0, f"{len(paths)} passed")
 
+    tests = tmp_path / "project" / "tests"
+    tests.mkdir(parents=True)
+    files = [*testrun.WORKBENCH_TESTS[:2], "project/tests/test_a.py",
+             "project/tests/test_b.py", "project/tests/test_c.py"]  # fmt: skip
+    for path in files:
+        (tmp_path / path).write_text("")
     python = Path(sys.executable)
+    monkeypatch.setenv(testrun.LANES_VAR, "2")
     monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
-    for name in ("ensure", "ensure_unpatched", "ensure_lmcache"):
-        monkeypatch.setattr(testrun.devenv, name, lambda root: python)
+    monkeypatch.setattr(testrun.devenv, "ensure", lambda root: python)
+    monkeypatch.setattr(testrun.devenv, "ensure_unpatched", unpatched)
+    monkeypatch.setattr(
+        testrun.devenv, "ensure_lmcache", lambda root: made.append("lmcache")
+    )
+    monkeypatch.setattr(
+        testrun.release_test, "ensure_env", lambda root: made.append("release")
+    )
+    monkeypatch.setattr(testrun, "_envs_ready", lambda root: False)
     monkeypatch.setattr(testrun, "tools_python", lambda: python)
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", hooks)
     monkeypatch.setattr(testrun, "_upstream_tests", upstream_tests)
     monkeypatch.setattr(testrun, "_release_tests", release_tests)
     monkeypatch.setattr(testrun, "_project_tests", project_tests)
-    assert testrun.run(tmp_path, ["-k", "x"]) == 1
+    assert testrun.run(tmp_path, ["-k", "x"]) == 0
+    assert sorted(seen) == sorted(files)
+    assert made == ["unpatched", "lmcache", "release"]
     out = capsys.readouterr().out
-    order = [
-        "=== project tests: FAIL: 7 passed, 1 failed",
-        "hook output",
-        "=== project hooks: PASS: 3 hooks passed",
-        "workbench output",
-        "=== workbench tests: PASS: 2 passed",
-        "regress output",
-        "=== upstream and stack tests: PASS: 0 regressions",
-        "release output",
-        "=== stack tests on the newest release: PASS: ok",
-        "beside e2e output",
-        "=== project tests, beside: PASS: 4 passed",
-        "=== summary",
-        "=== 27 passed, 1 failed ===",
-        "=== time table: ",
-        "=== steps, slowest first (wall time)",
-        "=== the 0 slowest of 0 test files",
-    ]
-    positions = [out.index(line) for line in order]
-    assert positions == sorted(positions), out
+    assert "=== 2 lanes, by the times in project/ci/test-times.json" in out
+    summary = out[out.index("=== summary") :]
+    assert "=== 19 passed, 0 failed ===" in summary
+    for output in ("hook output", "regress output", "release output"):
+        assert out.index(output) < out.index("=== summary")
+    assert "=== CPU time of the processes it waited for: " in summary
+    written = (tmp_path / "build" / "wb-test" / "test-times.json").read_text()
+    assert '"environments"' in written and '"hooks"' in written
+    # Beside its logs only: the committed times change when a person says so.
+    assert not (tmp_path / lanes.TIMES).exists()
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_environment_does_not_leave_the_lane_beside_waiting(
-    tmp_path: Path, monkeypatch
-):
+def test_a_failed_environment_leaves_no_lane_waiting(tmp_path: Path, monkeypatch):
     """If an environment of the end-to-end tests cannot be made, ``./wb
-    test`` stops with that error instead of waiting forever in the lane
-    beside for the environment of its share."""
+    test`` stops with that error instead of waiting forever in the lanes
+    whose jobs need it."""
     python = Path(sys.executable)
     verdict = testrun.Verdict("step", 1, 0, "1 passed")
 
     def unpatched(root):
         raise RuntimeError("no index")
 
+    (tmp_path / "project" / "tests").mkdir(parents=True)
+    (tmp_path / "project" / "tests" / "test_a.py").write_text("")
+    monkeypatch.setenv(testrun.LANES_VAR, "3")
     monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
     monkeypatch.setattr(testrun.devenv, "ensure", lambda root: python)
     monkeypatch.setattr(testrun.devenv, "ensure_unpatched", unpatched)
+    monkeypatch.setattr(testrun, "_envs_ready", lambda root: False)
     monkeypatch.setattr(testrun, "tools_python", lambda: python)
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", lambda root, tools, out: verdict)
@@ -312,4 +416,3 @@ def test_time_table_puts_the_slowest_steps_and_test_files_first(tmp_path: Path):
 
 def test_workbench_tests_are_test_files_of_the_project():
     assert all((REPO / path).is_file() for path in testrun.WORKBENCH_TESTS)
-    assert all((REPO / path).is_file() for path in testrun.BESIDE_E2E_TESTS)

@@ -7,6 +7,7 @@ tests twice does not rebuild the wheel twice.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import queue
@@ -256,25 +257,62 @@ _CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def _side_env(
-    root: Path, env_dir: Path, state: str, packages: list[str], what: str
+    root: Path, name: str, state: str, packages: list[str], what: str
 ) -> Path:
-    """Return the python of the environment ``env_dir`` holding ``packages``,
-    made afresh unless it was last made for the same ``state``.
+    """Return the python of the side environment ``name`` holding
+    ``packages``, made afresh unless it was last made for the same ``state``.
+
+    It lives in the cache folder, so every clone on the machine shares it and
+    a clean clone's ``./wb test`` does not make it again while ``state`` (its
+    inputs) is unchanged; ``build/<name>`` links to it. Its making is locked:
+    two makers wait for each other instead of clearing each other's.
     """
-    python = env_dir / "bin" / "python"
+    env_dir = upstream.cache_dir() / name
+    env_dir.parent.mkdir(parents=True, exist_ok=True)
+    link = root / "build" / name
+    with (env_dir.parent / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _link(link, env_dir)
+        marker = env_dir / "kvlc-state"
+        if _side_env_ready(env_dir, state):
+            print(f"{link}: {what} is up to date")
+            return link / "bin" / "python"
+        print(f"creating {env_dir} with {what}")
+        venv.create(env_dir, with_pip=True, clear=True)
+        python = env_dir / "bin" / "python"
+        pip = [str(python), "-m", "pip"]
+        pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
+        _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
+        _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
+        share_files(env_dir, root)
+        marker.write_text(state)
+    return link / "bin" / "python"
+
+
+def _side_env_ready(env_dir: Path, state: str) -> bool:
     marker = env_dir / "kvlc-state"
-    if marker.exists() and marker.read_text() == state:
-        print(f"{env_dir}: {what} is up to date")
-        return python
-    print(f"creating {env_dir} with {what}")
-    venv.create(env_dir, with_pip=True, clear=True)
-    pip = [str(python), "-m", "pip"]
-    pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
-    _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
-    _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
-    share_files(env_dir, root)
-    marker.write_text(state)
-    return python
+    return marker.is_file() and marker.read_text() == state
+
+
+def _link(link: Path, target: Path) -> None:
+    """Make ``link`` a link to ``target``, replacing what was there (an
+    environment made in the clone before side environments were shared)."""
+    if link.is_symlink() and link.readlink() == target:
+        return
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    elif link.is_dir():
+        shutil.rmtree(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=True)
+
+
+UNPATCHED = "venv-unpatched"
+LMCACHE_ENV = "venv-lmcache"
+
+
+def _unpatched_state(root: Path) -> str:
+    return f"{upstream.CPU_WHEEL.sha256}\n{(root / TEST_REQUIREMENTS).read_text()}"
 
 
 def ensure_unpatched(root: Path) -> Path:
@@ -285,8 +323,8 @@ def ensure_unpatched(root: Path) -> Path:
     wheel = upstream.fetch(upstream.CPU_WHEEL)
     return _side_env(
         root,
-        root / "build" / "venv-unpatched",
-        upstream.CPU_WHEEL.sha256,
+        UNPATCHED,
+        _unpatched_state(root),
         [str(wheel), "-r", str(root / TEST_REQUIREMENTS)],
         f"the unpatched vLLM {upstream.RELEASE}",
     )
@@ -296,17 +334,30 @@ LMCACHE = "lmcache==0.5.6"
 LMCACHE_CONSTRAINTS = "project/constraints-lmcache.txt"
 
 
+def _lmcache_state(root: Path) -> str:
+    constraints = (root / LMCACHE_CONSTRAINTS).read_text()
+    return f"{LMCACHE}\n{constraints}\n{_stack_digest(root)}"
+
+
 def ensure_lmcache(root: Path) -> Path:
     """Return the python of ``build/venv-lmcache``: the patched vLLM and the
     real ``lmcache``, apart from ``.venv`` because ``lmcache`` downgrades
     numpy, protobuf, opentelemetry and grpcio. Redone when the stack or the
     constraints changed.
     """
-    constraints = root / LMCACHE_CONSTRAINTS
     return _side_env(
         root,
-        root / "build" / "venv-lmcache",
-        f"{LMCACHE}\n{constraints.read_text()}\n{_stack_digest(root)}",
-        [str(root), LMCACHE, "-c", str(constraints)],
+        LMCACHE_ENV,
+        _lmcache_state(root),
+        [str(root), LMCACHE, "-c", str(root / LMCACHE_CONSTRAINTS)],
         f"the patched vLLM and {LMCACHE}",
+    )
+
+
+def side_envs_ready(root: Path) -> bool:
+    """Whether the unpatched and LMCache environments are made for today's
+    inputs (``./wb test`` plans its lanes by it)."""
+    cache = upstream.cache_dir()
+    return _side_env_ready(cache / UNPATCHED, _unpatched_state(root)) and (
+        _side_env_ready(cache / LMCACHE_ENV, _lmcache_state(root))
     )

@@ -113,13 +113,19 @@ def _env_digest(root: Path) -> str:
     return digest.hexdigest()
 
 
+def env_ready(root: Path) -> bool:
+    """Whether the release's test environment is made for today's inputs."""
+    marker = env_dir() / "kvlc-installed"
+    return marker.is_file() and marker.read_text() == _env_digest(root)
+
+
 def ensure_env(root: Path) -> Path:
     """The release's test environment (made once per machine); its python."""
     where = env_dir()
     python = where / "bin" / "python"
     marker = where / "kvlc-installed"
     digest = _env_digest(root)
-    if marker.is_file() and marker.read_text() == digest:
+    if env_ready(root):
         print(f"{where}: vLLM {RELEASE} test environment is up to date")
         return python
     print(f"creating {where}")

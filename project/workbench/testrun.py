@@ -2,21 +2,21 @@
 
 First the system packages the end-to-end tests need (``project/ci/
 system-packages``: installed when possible, else it stops at once with one
-line), then the environments, then the steps: the project's hooks, the
-project's end-to-end tests, the workbench's own tests (``WORKBENCH_TESTS``),
-upstream's and the stack's tests (``wb regress``), and the same on the newest
-release (``wb release-test --fast``). The end-to-end tests
-leave one of a 2-core runner's cores idle most of the time (pytest and an
-engine's start keep one busy; the rest is waiting on servers and stores), so
-the other steps run beside them, then a share of the end-to-end tests
-(``BESIDE_E2E_TESTS``) once those steps are done; their output is held in
-logs and printed after the end-to-end tests (pytest's ``--durations``
-reports show where time went). Each step ends with one verdict line; the
-last line counts tests in the form CI runners read (``N passed, M failed``),
-where a failure of the unpatched release that the patched build shares is
-not counted: only regressions are. A time table closes the run: the
-machine, each step's wall time and the slowest test files (from the steps'
-JUnit XML, kept in the logs' folder), slowest first.
+line), then ``.venv``; then the jobs, shared among lanes that run side by
+side by the times a clean-clone run measured (``workbench.lanes``): the
+project's hooks, upstream's and the stack's tests (``wb regress``), the same
+on the newest release (``wb release-test --fast``), and each test file of
+the project, the workbench's own (``WORKBENCH_TESTS``) among them. Lane 0
+first makes the side environments (the unpatched release's, LMCache's, the
+newest release's; kept in the cache folder and remade only when their inputs
+change), which the end-to-end tests wait for. Each job's output is held in
+a log and printed at the end, each step with one verdict line; the last line
+counts tests in the form CI runners read (``N passed, M failed``), where a
+failure of the unpatched release that the patched build shares is not
+counted: only regressions are. A time table closes the run: the machine,
+the CPU time spent, each step's wall time and the slowest test files (from
+the steps' JUnit XML, kept in the logs' folder), slowest first; the times
+measured go to ``build/wb-test/test-times.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,8 @@ from typing import TextIO
 
 from bench import machine
 
-from workbench import derive, devenv, regress, syspkgs, upstream
+from workbench import derive, devenv, lanes, regress, release_test, syspkgs, upstream
+from workbench.errors import WorkbenchError
 from workbench.tools import tools_python
 
 
@@ -96,6 +98,14 @@ def _hooks(root: Path, tools: Path, out: TextIO | None = None) -> Verdict:
     """pre-commit's hooks; each hook is one test. The command and its output
     go to ``out`` (default: stdout)."""
     out = out or sys.stdout
+    # mypy with no cache is most of the hooks' time: a clean clone's uses the
+    # cache folder's, which mypy checks against each file's content before
+    # it trusts an entry.
+    cache = root / ".mypy_cache"
+    if not cache.exists() and not cache.is_symlink():
+        shared = upstream.cache_dir() / "mypy-cache"
+        shared.mkdir(parents=True, exist_ok=True)
+        cache.symlink_to(shared, target_is_directory=True)
     cmd = [str(tools), "-m", "pre_commit", "run", "--all-files", "--color", "never"]
     print(f"$ {' '.join(cmd)}", file=out, flush=True)
     proc = subprocess.run(
@@ -120,12 +130,11 @@ def _project_tests(
     env: dict[str, str],
     rest: list[str],
     paths: tuple[str, ...] = ("project/tests",),
-    ignore: tuple[str, ...] = (),
     name: str = "project tests",
     out: TextIO | None = None,
     junit: Path | None = None,
 ) -> Verdict:
-    """The project's pytest suite (``paths`` less ``ignore``), counted from
+    """The project's pytest suite (``paths``), counted from
     its JUnit XML (kept at ``junit`` if given); its output goes to ``out``
     (a file; default: stdout)."""
     with tempfile.TemporaryDirectory(prefix="kvlc-test-") as tmp:
@@ -139,7 +148,7 @@ def _project_tests(
         cmd += ["-o", "tmp_path_retention_policy=failed"]
         # Every CI log shows where the time goes.
         cmd += ["--durations=25", f"--junitxml={junit}", *paths]
-        cmd += [f"--ignore={path}" for path in ignore] + rest
+        cmd += rest
         status = _call(cmd, root, env, out)
         if not junit.exists():
             return Verdict(name, 0, 1, f"pytest exited {status}, no report")
@@ -201,8 +210,8 @@ def _release_tests(
 
 
 # The workbench's own tests: no engine, mostly git, zip and file copies (the
-# CUDA wheel's repack, the trial stack's checks). They run beside the
-# end-to-end tests.
+# CUDA wheel's repack, the trial stack's checks); they need none of the side
+# environments.
 WORKBENCH_TESTS = tuple(
     f"project/tests/{name}"
     for name in (
@@ -215,101 +224,133 @@ WORKBENCH_TESTS = tuple(
         "test_tools_env.py",
     )
 )
-# The end-to-end test files the lane beside runs after its own steps: the
-# end-to-end tests are CI's longest step, so the two lanes share them, none
-# needing Redis. By the time table of a clean-clone run (docs/
-# working-on-the-stack.md: main lane 56 min, the other 47 min with the first
-# two files here), the store's shared-store tests (3.2 min) move too, so the
-# lanes end within about two minutes of each other.
-BESIDE_E2E_TESTS = tuple(
-    f"project/tests/{name}"
-    for name in (
-        "test_before_update_states_e2e.py",
-        "test_aibrix_e2e.py",
-        "test_store_shared_e2e.py",
+# The steps that are not test files, by their names in ``lanes.TIMES``.
+HOOKS, UPSTREAM, RELEASE = "hooks", "upstream", "release"
+# An end-to-end test's engine start keeps about one core busy, then waits on
+# servers and stores (a served test file keeps 0.6 of a core busy): one lane
+# more than the cores keeps both of a 2-core runner's busy.
+LANES_VAR = "KVLC_TEST_LANES"
+
+
+def lane_count() -> int:
+    """The lanes ``./wb test`` runs: ``KVLC_TEST_LANES``, else the cores plus one."""
+    if value := os.environ.get(LANES_VAR):
+        if not value.isdigit() or int(value) < 1:
+            raise WorkbenchError(
+                f"{LANES_VAR}={value!r}: give a whole number of at least 1"
+            )
+        return int(value)
+    return (os.cpu_count() or 1) + 1
+
+
+def jobs(root: Path, times: dict[str, float]) -> list[lanes.Job]:
+    """Every job of ``./wb test`` with its measured seconds: the three
+    steps and each test file under ``project/tests``."""
+    files = sorted(
+        p.relative_to(root).as_posix()
+        for p in (root / "project" / "tests").glob("test_*.py")
     )
-)
-# Each step run beside the project's end-to-end tests, and its log.
-BESIDE_LOGS = (
-    "hooks.log",
-    "workbench-tests.log",
-    "upstream.log",
-    "release.log",
-    "e2e-beside.log",
-)
+    found = [lanes.Job(HOOKS, times.get(HOOKS, lanes.UNMEASURED_S))]
+    found.append(lanes.Job(UPSTREAM, times.get(UPSTREAM, lanes.UNMEASURED_S)))
+    # The newest release's environment is one of the side environments.
+    found.append(lanes.Job(RELEASE, times.get(RELEASE, lanes.UNMEASURED_S), True))
+    for name in files:
+        seconds = times.get(name, lanes.UNMEASURED_S)
+        found.append(lanes.Job(name, seconds, needs_envs=name not in WORKBENCH_TESTS))
+    return found
 
 
-def junit_reports(root: Path, logs: Path) -> dict[str, tuple[Path, Path]]:
-    """Each pytest step's JUnit XML in ``logs``, with the tree its tests
-    ran from: the project's (both lanes), the workbench's, ``wb regress``'s
-    (its stack tree) and ``wb release-test``'s (the derived tree)."""
-    return {
-        "project": (logs / "project-tests.xml", root),
-        "workbench": (logs / "workbench-tests.xml", root),
-        "upstream": (logs / "upstream.xml", root / regress.STACK_TREE),
-        "release": (logs / "release.xml", derive.default_tree(root)),
-        "e2e-beside": (logs / "e2e-beside.xml", root),
-    }
+@dataclass
+class Ran:
+    """What one lane ran: a verdict, its log and its JUnit XML (if pytest)."""
+
+    verdict: Verdict
+    log: Path
+    junit: Path | None = None
 
 
-def _beside(
+def _lane(
+    index: int,
+    share: list[lanes.Job],
     root: Path,
     tools: Path,
     python: Path,
     rest: list[str],
     logs: Path,
-    e2e_env: Future[dict[str, str]],
-) -> list[Verdict]:
-    """The hooks, the workbench's tests, upstream's and the stack's tests,
-    then ``BESIDE_E2E_TESTS`` in ``e2e_env`` (once the other lane has made
-    the environments they need): the steps that run beside the project's
-    end-to-end tests, each with its output in its log (``BESIDE_LOGS``)."""
-    hooks, workbench, upstream_log, release, e2e = (logs / name for name in BESIDE_LOGS)
-    junits = {name: junit for name, (junit, _) in junit_reports(root, logs).items()}
-    with hooks.open("w") as out:
-        verdicts = [_timed(lambda: _hooks(root, tools, out))]
-    with workbench.open("w") as out:
-        env = {"KVLC_REQUIRE_E2E": "1"}
-        verdicts.append(
-            _timed(
-                lambda: _project_tests(
+    envs: Future[dict[str, str]],
+    make_envs: Callable[[], dict[str, str]] | None = None,
+) -> list[Ran]:
+    """Run one lane's ``share`` of the jobs, those needing the side
+    environments once ``envs`` holds their variables: steps one by one, its
+    test files in one pytest run per kind, each with its output in its log.
+    With ``make_envs``, the lane first makes the environments and sets
+    ``envs`` (or its exception, so that no lane waits forever)."""
+    names = [job.name for job in share]
+    ran: list[Ran] = []
+    if make_envs is not None:
+        try:
+            envs.set_result(make_envs())
+        except BaseException as e:
+            envs.set_exception(e)
+            raise
+
+    def step(name: str, run: Callable[[TextIO, Path], Verdict]) -> None:
+        log, junit = logs / f"{name}.log", logs / f"{name}.xml"
+        with log.open("w") as out:
+            verdict = _timed(lambda: run(out, junit))
+        print(f"{verdict.line()} (lane {index})", flush=True)
+        ran.append(Ran(verdict, log, junit))
+
+    def tests(kind: str, files: list[str], env: dict[str, str]) -> None:
+        if files:
+            name = f"{kind} tests, lane {index}"
+            step(
+                name.replace(" ", "-").replace(",", ""),
+                lambda out, junit: _project_tests(
                     root,
                     python,
                     env,
                     rest,
-                    WORKBENCH_TESTS,
-                    name="workbench tests",
+                    tuple(files),
+                    name=name,
                     out=out,
-                    junit=junits["workbench"],
-                )
+                    junit=junit,
+                ),
             )
-        )
-    with upstream_log.open("w") as out:
-        verdicts.append(
-            _timed(lambda: _upstream_tests(root, python, out, junit=junits["upstream"]))
-        )
-    with release.open("w") as out:
-        verdicts.append(
-            _timed(lambda: _release_tests(root, out, junit=junits["release"]))
-        )
-    # Its wall time, not its wait for the other lane's environments.
-    env = e2e_env.result()
-    with e2e.open("w") as out:
-        verdicts.append(
-            _timed(
-                lambda: _project_tests(
-                    root,
-                    python,
-                    env,
-                    rest,
-                    BESIDE_E2E_TESTS,
-                    name="project tests, beside",
-                    out=out,
-                    junit=junits["e2e-beside"],
-                )
-            )
-        )
-    return verdicts
+
+    if HOOKS in names:
+        step(HOOKS, lambda out, junit: _hooks(root, tools, out))
+    if UPSTREAM in names:
+        step(UPSTREAM, lambda out, junit: _upstream_tests(root, python, out, junit))
+    workbench = [name for name in names if name in WORKBENCH_TESTS]
+    tests("workbench", workbench, {"KVLC_REQUIRE_E2E": "1"})
+    if any(job.needs_envs for job in share):
+        env = envs.result()
+        if RELEASE in names:
+            step(RELEASE, lambda out, junit: _release_tests(root, out, junit))
+        project = [
+            n for n in names if n not in (*WORKBENCH_TESTS, HOOKS, UPSTREAM, RELEASE)
+        ]
+        tests("project", project, env)
+    return ran
+
+
+def _side_envs(root: Path, times: list[tuple[str, float]]) -> dict[str, str]:
+    """Make the side environments: the unpatched release's and LMCache's
+    (the end-to-end tests compare with the release and must not skip in CI),
+    and the newest release's; the project tests' variables."""
+    with _clock(times, "environment of the unpatched release"):
+        unpatched = devenv.ensure_unpatched(root)
+    with _clock(times, "environment of LMCache"):
+        devenv.ensure_lmcache(root)
+    with _clock(times, f"environment of vLLM {upstream.NEXT_RELEASE}"):
+        release_test.ensure_env(root)
+    return {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
+
+
+def _envs_ready(root: Path) -> bool:
+    """Whether the side environments are made for today's inputs."""
+    return devenv.side_envs_ready(root) and release_test.env_ready(root)
 
 
 def run(root: Path, rest: list[str]) -> int:
@@ -326,62 +367,83 @@ def run(root: Path, rest: list[str]) -> int:
         python = devenv.ensure(root)
     with _clock(times, "environment of the tools"):
         tools = tools_python()
-    # Both lanes below read the pristine tree; its unpack must not race.
+    # The lanes below read the pristine tree; its unpack must not race.
     with _clock(times, "pristine tree"):
         upstream.pristine_tree()
-    # pytest keeps one core busy, and an engine's start mostly one: the
-    # end-to-end tests leave the second core of a 2-core runner idle most of
-    # the time. The hooks, the workbench's tests (I/O more than CPU) and
-    # upstream's tests run there, beside the other environments' installs
-    # and the end-to-end tests; their output waits for those.
+    measured = lanes.load(root)
+    envs_s = 0.0 if _envs_ready(root) else measured.get(lanes.ENVIRONMENTS, 900.0)
+    shares = lanes.plan(jobs(root, measured), lane_count(), envs_s)
     logs = root / "build" / "wb-test"
     logs.mkdir(parents=True, exist_ok=True)
-    print(f"=== hooks, workbench and upstream tests: running beside, logs in {logs}")
-    e2e_env: Future[dict[str, str]] = Future()
-    with ThreadPoolExecutor(1) as pool:
-        beside = pool.submit(_beside, root, tools, python, rest, logs, e2e_env)
-        try:
-            # The end-to-end tests compare with the release and must not
-            # skip in CI.
-            with _clock(times, "environment of the unpatched release"):
-                unpatched = devenv.ensure_unpatched(root)
-            with _clock(times, "environment of LMCache"):
-                devenv.ensure_lmcache(root)
-        except BaseException as e:
-            # Or the lane beside would wait for the environments forever.
-            e2e_env.set_exception(e)
-            raise
-        e2e_env.set_result(
-            {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": str(unpatched)}
-        )
-        print("=== project tests", flush=True)
-        tests = _timed(
-            lambda: _project_tests(
-                root,
-                python,
-                e2e_env.result(),
-                rest,
-                ignore=WORKBENCH_TESTS + BESIDE_E2E_TESTS,
-                junit=junit_reports(root, logs)["project"][0],
+    print(f"=== {len(shares)} lanes, by the times in {lanes.TIMES}; logs in {logs}")
+    for index, share in enumerate(shares):
+        expected = sum(job.seconds for job in share) + (envs_s if index == 0 else 0)
+        names = ", ".join(Path(job.name).name for job in share)
+        print(f"  lane {index} (~{expected / 60:.0f} min): {names}", flush=True)
+    envs: Future[dict[str, str]] = Future()
+    envs_made: list[tuple[str, float]] = []
+
+    def make_envs() -> dict[str, str]:
+        return _side_envs(root, envs_made)
+
+    with ThreadPoolExecutor(len(shares)) as pool:
+        futures = [
+            pool.submit(
+                _lane, i, share, root, tools, python, rest, logs, envs,
+                make_envs if i == 0 else None,
             )
-        )
-        print(tests.line(), flush=True)
-        if not beside.done():
-            print("=== waiting for the steps beside", flush=True)
-        steps = beside.result()
-    for verdict, log in zip(steps, BESIDE_LOGS, strict=True):
-        print(f"=== {verdict.name} (ran beside; {logs / log})", flush=True)
-        print((logs / log).read_text(), end="", flush=True)
-        print(verdict.line(), flush=True)
-    lines, status = summary([steps[0], tests, *steps[1:]])
+            for i, share in enumerate(shares)
+        ]  # fmt: skip
+        ran = [r for future in futures for r in future.result()]
+    times += envs_made
+    for r in ran:
+        print(f"=== {r.verdict.name} ({r.log})", flush=True)
+        print(r.log.read_text(), end="", flush=True)
+        print(r.verdict.line(), flush=True)
+    lines, status = summary([r.verdict for r in ran])
     print("\n".join(lines), flush=True)
-    times += [(tests.name, tests.seconds)]
-    times += [(f"{v.name} (beside)", v.seconds) for v in steps]
-    times += [("./wb test, in all", time.monotonic() - start)]
-    reports = list(junit_reports(root, logs).values())
-    table = timetable(machine.describe(), times, reports, root)
+    times += [(r.verdict.name, r.verdict.seconds) for r in ran]
+    wall_s = time.monotonic() - start
+    times += [("./wb test, in all", wall_s)]
+    reports = [(r.junit, _tree(root, r.log.stem)) for r in ran if r.junit is not None]
+    table = timetable(machine.describe(), times, reports, root, wall_s=wall_s)
     print("\n".join(table), flush=True)
+    envs_made_s = sum(seconds for _, seconds in envs_made) if envs_s else None
+    fresh = measured_times(ran, reports, root, envs_made_s)
+    lanes.write(logs / "test-times.json", {**measured, **fresh})
+    print(
+        f"=== the times measured: {logs / 'test-times.json'} "
+        f"(copied to {lanes.TIMES}, the lanes are balanced by them)"
+    )
     return status
+
+
+def _tree(root: Path, step: str) -> Path:
+    """The tree a step's tests ran from, which its JUnit XML names files by."""
+    if step == UPSTREAM:
+        return root / regress.STACK_TREE
+    if step == RELEASE:
+        return derive.default_tree(root)
+    return root
+
+
+def measured_times(
+    ran: list[Ran], reports: list[tuple[Path, Path]], root: Path, envs_s: float | None
+) -> dict[str, float]:
+    """Each job's seconds in this run: a step's wall time, a project test
+    file's from its JUnit report; the side environments' if they were made."""
+    fresh: dict[str, float] = {}
+    for r in ran:
+        if r.log.stem in (HOOKS, UPSTREAM, RELEASE):
+            fresh[r.log.stem] = r.verdict.seconds
+    for junit, tree in reports:
+        if tree != root or not junit.exists():
+            continue
+        for path, seconds, _ in regress.file_durations(junit, tree):
+            fresh[path] = seconds
+    if envs_s is not None:
+        fresh[lanes.ENVIRONMENTS] = envs_s
+    return fresh
 
 
 def summary(verdicts: list[Verdict]) -> tuple[list[str], int]:
@@ -399,13 +461,23 @@ def timetable(
     junits: list[tuple[Path, Path]],
     root: Path,
     top: int = 20,
+    wall_s: float | None = None,
 ) -> list[str]:
     """The time table: the machine ``cpu``, each of ``steps`` (name, wall
     seconds), then the ``top`` slowest test files of the (JUnit XML, test
     tree) pairs ``junits`` (a missing report is skipped), each the sum of its
     tests' setup, call and teardown; slowest first. A file's path is relative
-    to ``root``."""
-    lines = [f"=== time table: {cpu}", "=== steps, slowest first (wall time)"]
+    to ``root``. With ``wall_s`` (the run's wall time), the CPU time of the
+    child processes it waited for, and the cores that kept busy."""
+    lines = [f"=== time table: {cpu}"]
+    if wall_s is not None:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        busy = usage.ru_utime + usage.ru_stime
+        lines.append(
+            f"=== CPU time of the processes it waited for: {busy:.0f} s, "
+            f"{busy / wall_s:.2f} of {os.cpu_count()} cores busy on average"
+        )
+    lines.append("=== steps, slowest first (wall time)")
     for name, seconds in sorted(steps, key=lambda step: -step[1]):
         lines.append(f"{seconds:8.1f} s  {name}")
     files: dict[Path, tuple[float, int]] = {}
