@@ -3,6 +3,7 @@ pytest run or a stand-in for the tool it calls."""
 
 from __future__ import annotations
 
+import os
 import sys
 from concurrent.futures import Future
 from pathlib import Path
@@ -224,15 +225,21 @@ def test_jobs_are_every_test_file_and_the_three_steps_with_measured_times(
     }
 
 
-def test_lane_count_is_the_cores_and_one_unless_set(monkeypatch):
+def test_lane_count_is_two_a_core_as_memory_allows_unless_set(monkeypatch):
     monkeypatch.delenv(testrun.LANES_VAR, raising=False)
     monkeypatch.setattr(testrun.os, "cpu_count", lambda: 2)
-    assert testrun.lane_count() == 3
+    monkeypatch.setattr(testrun, "available_memory", lambda: 21 * 1024**3)
+    assert testrun.lane_count() == 4
+    monkeypatch.setattr(testrun, "available_memory", lambda: 11 * 1024**3)
+    assert testrun.lane_count() == 2
+    monkeypatch.setattr(testrun, "available_memory", lambda: 1024**3)
+    assert testrun.lane_count() == 1
     monkeypatch.setenv(testrun.LANES_VAR, "5")
     assert testrun.lane_count() == 5
     monkeypatch.setenv(testrun.LANES_VAR, "two")
     with pytest.raises(testrun.WorkbenchError, match="KVLC_TEST_LANES='two'"):
         testrun.lane_count()
+    assert testrun.available_memory() > 0
 
 
 def test_the_measured_times_file_is_sorted_and_read_back(tmp_path: Path):
@@ -276,6 +283,7 @@ def test_run_shares_every_job_among_the_lanes_and_reports_them_after(
         assert junit is not None and junit.parent == root / "build" / "wb-test"
         assert rest == ["-k", "x"]
         seen.extend(paths)
+        assert os.environ["OMP_NUM_THREADS"] == "1"
         if name.startswith("project tests"):
             assert made == ["unpatched", "lmcache", "release"]
             assert env["KVLC_UPSTREAM_PYTHON"] == "/up/python"
@@ -290,6 +298,7 @@ def test_run_shares_every_job_among_the_lanes_and_reports_them_after(
         (tmp_path / path).write_text("")
     python = Path(sys.executable)
     monkeypatch.setenv(testrun.LANES_VAR, "2")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
     monkeypatch.setattr(testrun.devenv, "ensure", lambda root: python)
     monkeypatch.setattr(testrun.devenv, "ensure_unpatched", unpatched)
