@@ -225,11 +225,11 @@ def test_jobs_are_every_test_file_and_the_three_steps_with_measured_times(
     }
 
 
-def test_lane_count_is_two_a_core_as_memory_allows_unless_set(monkeypatch):
+def test_lane_count_is_the_cores_and_one_as_memory_allows_unless_set(monkeypatch):
     monkeypatch.delenv(testrun.LANES_VAR, raising=False)
     monkeypatch.setattr(testrun.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(testrun, "available_memory", lambda: 21 * 1024**3)
-    assert testrun.lane_count() == 4
+    assert testrun.lane_count() == 3
     monkeypatch.setattr(testrun, "available_memory", lambda: 11 * 1024**3)
     assert testrun.lane_count() == 2
     monkeypatch.setattr(testrun, "available_memory", lambda: 1024**3)
