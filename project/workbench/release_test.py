@@ -124,7 +124,6 @@ def ensure_env(root: Path) -> Path:
     where = env_dir()
     python = where / "bin" / "python"
     marker = where / "kvlc-installed"
-    digest = _env_digest(root)
     if env_ready(root):
         print(f"{where}: vLLM {RELEASE} test environment is up to date")
         return python
@@ -151,7 +150,7 @@ def ensure_env(root: Path) -> Path:
         env=_build_env(RELEASE),
     )
     devenv.share_files(where, root)
-    marker.write_text(digest)
+    marker.write_text(_env_digest(root))
     return python
 
 
