@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "project"))
 
+from forked_cli import ForkedCli  # noqa: E402
 from workbench import upstream  # noqa: E402
 
 # vLLM's own CPU CI switch, inherited by every engine the tests start: the
@@ -31,6 +33,20 @@ from workbench import upstream  # noqa: E402
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 TRIAL_STACK = Path(__file__).parent / "data" / "trial-stack"
+
+
+@pytest.fixture(scope="session")
+def forked_cli() -> Iterator[ForkedCli]:
+    """One import of vLLM's CLI for every ``vllm serve`` run that stops before
+    an engine starts (``forked_cli.py``)."""
+    sys.path.insert(0, str(REPO / "project" / "demo"))
+    import serve_demo
+
+    cli = ForkedCli(serve_demo.server_env())
+    try:
+        yield cli
+    finally:
+        cli.close()
 
 
 @pytest.fixture(scope="session")

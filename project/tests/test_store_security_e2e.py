@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 import redis as redis_lib
 from conftest import REPO
+from forked_cli import ForkedCli
 from kvlc_store.chunk import encode_chunk
 from redis_server import RedisServer, free_port
 
@@ -491,7 +492,9 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("case", REFUSALS)
-def test_refused_in_one_line_before_the_model(tmp_path: Path, case: str):
+def test_refused_in_one_line_before_the_model(
+    forked_cli: ForkedCli, tmp_path: Path, case: str
+):
     with contextlib.ExitStack() as stack:
         kv = {
             "kv_connector": "StoreConnector",
@@ -500,7 +503,7 @@ def test_refused_in_one_line_before_the_model(tmp_path: Path, case: str):
         }
         os.environ[PASSWORD_ENV] = WRONG_PASSWORD
         try:
-            status, output, seconds = serve(tmp_path, kv)
+            status, output, seconds = serve(forked_cli, tmp_path, kv)
         finally:
             del os.environ[PASSWORD_ENV]
     last = "\n".join(output.strip().splitlines()[-LAST_LINES:])

@@ -4,22 +4,21 @@ lines that name the setting and its fix, and creates no store directory.
 
 The connector is named by name only (its plugin entry point registers it).
 Nothing here starts an engine: the check runs while vLLM parses
-``--kv-transfer-config`` in the API server process.
+``--kv-transfer-config`` in the API server process, so each run is forked from
+one process that imported vLLM's CLI (``forked_cli.py``).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import REPO
+from forked_cli import ForkedCli
 from redis_server import free_port
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
@@ -33,24 +32,17 @@ LAST_LINES = 6
 
 
 def serve(
-    tmp_path: Path, kv: dict[str, Any], model: Path | None = None
+    cli: ForkedCli, tmp_path: Path, kv: dict[str, Any], model: Path | None = None
 ) -> tuple[int, str, float]:
     """Run ``vllm serve`` (by default on a model directory that does not
     exist: the check must come first) and return its exit status, output
     and time."""
     model = model or tmp_path / "model"
     command = serve_demo.server_command(model, free_port(), kv)
+    assert Path(command[0]).name == "vllm", command
     start = time.monotonic()
-    done = subprocess.run(
-        command,
-        env=serve_demo.server_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=FAIL_WITHIN_S,
-        check=False,
-    )
-    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+    status, output = cli.run(command[1:], serve_demo.server_env(), FAIL_WITHIN_S)
+    return status, output, time.monotonic() - start
 
 
 def kv_config(extra: dict[str, Any], name: str = "StoreConnector") -> dict[str, Any]:
@@ -108,12 +100,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_setting_stops_the_server_at_once(
-    case: str, refused: dict[str, tuple[Path, Future[tuple[int, str, float]]]]
+    forked_cli: ForkedCli, tmp_path: Path, case: str
 ):
     extra_of, expected = CASES[case]
-    tmp_path, served = refused[case]
+    (tmp_path / "a-file").write_text("not a directory")
     store = tmp_path / "store"
-    status, output, seconds = served.result()
+    status, output, seconds = serve(
+        forked_cli, tmp_path, kv_config(extra_of(str(store), tmp_path))
+    )
     last = "\n".join(output.strip().splitlines()[-LAST_LINES:])
     assert status != 0
     assert expected in last, output[-3000:]
@@ -123,9 +117,9 @@ def test_bad_setting_stops_the_server_at_once(
     print(f"{case}: exit {status} after {seconds:.1f} s; last lines:\n{last}")
 
 
-def test_misspelled_class_names_the_package(tmp_path: Path):
+def test_misspelled_class_names_the_package(forked_cli: ForkedCli, tmp_path: Path):
     kv = kv_config({"path": str(tmp_path / "store")}, name="StoreConector")
-    status, output, _ = serve(tmp_path, kv)
+    status, output, _ = serve(forked_cli, tmp_path, kv)
     last = "\n".join(output.strip().splitlines()[-LAST_LINES:])
     assert status != 0
     assert (
@@ -136,7 +130,7 @@ def test_misspelled_class_names_the_package(tmp_path: Path):
 
 
 def test_setting_that_needs_another_engine_argument_stops_before_the_model(
-    tmp_path: Path,
+    forked_cli: ForkedCli, tmp_path: Path
 ):
     """``offload: lazy`` needs prefix caching, which the served command
     turns off (``--no-enable-prefix-caching``): the check needs vLLM's whole
@@ -145,7 +139,7 @@ def test_setting_that_needs_another_engine_argument_stops_before_the_model(
     model = make_model(tmp_path / "real-model")
     store = tmp_path / "store"
     kv = kv_config({"path": str(store), "offload": "lazy"})
-    status, output, seconds = serve(tmp_path, kv, model)
+    status, output, seconds = serve(forked_cli, tmp_path, kv, model)
     last = "\n".join(output.strip().splitlines()[-LAST_LINES:])
     assert status != 0
     assert (
@@ -155,19 +149,3 @@ def test_setting_that_needs_another_engine_argument_stops_before_the_model(
     assert "Starting to load model" not in output
     assert not store.exists()
     print(f"exit {status} after {seconds:.1f} s; last lines:\n{last}")
-
-
-@pytest.fixture(scope="module")
-def refused(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, tuple[Path, Future[tuple[int, str, float]]]]]:
-    """Every case of ``CASES`` served, two at a time (each is mostly a vLLM
-    import on one core): its own directory and its run."""
-    runs = {}
-    with ThreadPoolExecutor(2) as pool:
-        for case, (extra_of, _) in CASES.items():
-            tmp_path = tmp_path_factory.mktemp("bad-setting")
-            (tmp_path / "a-file").write_text("not a directory")
-            kv = kv_config(extra_of(str(tmp_path / "store"), tmp_path))
-            runs[case] = (tmp_path, pool.submit(serve, tmp_path, kv))
-        yield runs

@@ -105,6 +105,10 @@ FAST_SELECTION = (
     # Under a minute; SimpleCPUOffload is migrated by the scheduler-context entry.
     "tests/v1/simple_kv_offload",
 )
+# Loaded into every run (``-p``) from its own folder, so that no other
+# workbench module becomes importable by the tests.
+PYTEST_PLUGINS = Path(__file__).parent / "pytest_plugins"
+CPU_UNIT_PLUGIN = "kvlc_cpu_unit_tests"
 # A hang must fail one test, not the run; the slowest test of the baseline run
 # takes about 40 s on 2 cores.
 TEST_TIMEOUT_S = 300
@@ -203,6 +207,9 @@ def offline_env(hf_home: Path) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         # Keep the output's tracebacks and summary lines readable in CI logs.
         "COLUMNS": os.environ.get("COLUMNS", "160"),
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(PYTEST_PLUGINS), os.environ.get("PYTHONPATH")) if p
+        ),
     }
 
 
@@ -216,6 +223,8 @@ def pytest_command(
         "pytest",
         "-p",
         "no:cacheprovider",
+        "-p",
+        CPU_UNIT_PLUGIN,
         "--rootdir=.",
         f"--junitxml={junit}",
         f"--timeout={TEST_TIMEOUT_S}",

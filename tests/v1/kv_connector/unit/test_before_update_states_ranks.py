@@ -23,7 +23,23 @@ from vllm.utils.network_utils import get_open_port
 from vllm.v1.core.sched.output import SchedulerOutput
 
 
-def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> None:
+# Each mode is one step both ranks take in turn in the same gloo group, so a
+# step after a failing one also shows that no rank was left in the collective.
+MODES = ("ok", "raises", "bad_value")
+
+
+def _hits(rank: int, mode: str) -> Any:
+    # Rank 0 has hits for both requests, rank 1 only a smaller one for b.
+    if rank == 0:
+        return {"a": 9, "b": 50}
+    if mode == "raises":
+        return RuntimeError("cache unreachable")
+    if mode == "bad_value":
+        return {"b": -1}
+    return {"b": 20}
+
+
+def _min_worker(rank: int, port: int, ready: Any, results: Any) -> None:
     ready.put(rank)
     dist.init_process_group(
         "gloo",
@@ -36,42 +52,39 @@ def _min_worker(rank: int, port: int, ready: Any, results: Any, mode: str) -> No
         group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD)
         external_hits.get_tp_group = lambda: group
         external_hits.get_pcp_group = lambda: SimpleNamespace(world_size=1)
-        # Rank 0 has hits for both requests, rank 1 only a smaller one for b.
-        hits: Any = {"a": 9, "b": 50} if rank == 0 else {"b": 20}
-        if rank == 1 and mode == "raises":
-            hits = RuntimeError("cache unreachable")
-        elif rank == 1 and mode == "bad_value":
-            hits = {"b": -1}
-        connector = _make_connector("HitsConnector", hits={})
+        for mode in MODES:
+            hits = _hits(rank, mode)
+            connector = _make_connector("HitsConnector", hits={})
 
-        def before_update_states(so: SchedulerOutput) -> Any:
-            if isinstance(hits, Exception):
-                raise hits
-            return hits
+            def before_update_states(so: SchedulerOutput, hits: Any = hits) -> Any:
+                if isinstance(hits, Exception):
+                    raise hits
+                return hits
 
-        connector.before_update_states = before_update_states
-        so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 100, 0, 64)])
-        try:
-            worker = external_hits.WorkerExternalHits(connector)
-            worker.apply(so)
-            results.put((rank, (worker.applied, connector.applied_calls)))
-        except RuntimeError as e:
-            results.put((rank, str(e)))
+            connector.before_update_states = before_update_states
+            so = _scheduler_output(new=[("a", 10, 0, 10), ("b", 100, 0, 64)])
+            try:
+                worker = external_hits.WorkerExternalHits(connector)
+                worker.apply(so)
+                results.put((mode, rank, (worker.applied, connector.applied_calls)))
+            except RuntimeError as e:
+                results.put((mode, rank, str(e)))
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(mode: str) -> dict[int, Any]:
-    """Run _min_worker on two gloo ranks; a rank still running 120 s after
-    both started fails the test instead of hanging it. Starting (a spawned
-    interpreter importing vLLM) is not timed: on a loaded machine it alone
-    can take minutes."""
+@pytest.fixture(scope="module")
+def steps() -> dict[str, dict[int, Any]]:
+    """Run _min_worker on two gloo ranks, one step per mode; a rank still
+    running 120 s after both started fails the tests instead of hanging
+    them. Starting (a spawned interpreter importing vLLM) is not timed: on a
+    loaded machine it alone can take minutes. One pair of processes serves
+    every test of the module: each start is an import of vLLM."""
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     port = get_open_port()
     procs = [
-        ctx.Process(target=_min_worker, args=(r, port, ready, results, mode))
-        for r in (0, 1)
+        ctx.Process(target=_min_worker, args=(r, port, ready, results)) for r in (0, 1)
     ]
     for p in procs:
         p.start()
@@ -88,19 +101,25 @@ def _run_two_ranks(mode: str) -> dict[int, Any]:
                 p.kill()
     assert not hung, f"ranks {hung} still waiting after 120 s"
     assert [p.exitcode for p in procs] == [0, 0]
-    return dict(results.get(timeout=5) for _ in procs)
+    by_mode: dict[str, dict[int, Any]] = {mode: {} for mode in MODES}
+    for _ in range(len(MODES) * len(procs)):
+        mode, rank, result = results.get(timeout=5)
+        by_mode[mode][rank] = result
+    return by_mode
 
 
-def test_ranks_apply_the_minimum():
+def test_ranks_apply_the_minimum(steps: dict[str, dict[int, Any]]):
     """Rank 0 holds a and b, rank 1 only part of b: both apply, and tell
     their connector to load, only the 20 tokens of b they agree on."""
     agreed = ({"b": 20}, [{"b": 20}])
-    assert _run_two_ranks("ok") == {0: agreed, 1: agreed}
+    assert steps["ok"] == {0: agreed, 1: agreed}
 
 
 @pytest.mark.parametrize("mode", ["raises", "bad_value"])
-def test_failing_rank_fails_the_step_on_every_rank(mode: str):
-    results = _run_two_ranks(mode)
+def test_failing_rank_fails_the_step_on_every_rank(
+    steps: dict[str, dict[int, Any]], mode: str
+):
+    results = steps[mode]
     message = "HitsConnector.before_update_states() failed on rank 1"
     assert message in results[0]
     assert results[0] == results[1]
