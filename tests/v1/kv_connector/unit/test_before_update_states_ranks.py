@@ -22,7 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import external_hits
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.core.sched.output import SchedulerOutput
 
-
 # Each mode is one step both ranks take in turn in the same gloo group, so a
 # step after a failing one also shows that no rank was left in the collective.
 MODES = ("ok", "raises", "bad_value")
