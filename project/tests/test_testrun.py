@@ -425,3 +425,33 @@ def test_time_table_puts_the_slowest_steps_and_test_files_first(tmp_path: Path):
 
 def test_workbench_tests_are_test_files_of_the_project():
     assert all((REPO / path).is_file() for path in testrun.WORKBENCH_TESTS)
+
+
+def test_cpu_counters_read_the_kernels_busy_and_total_seconds(tmp_path: Path):
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text(
+        f"cpu  {3 * hz} {hz} {2 * hz} {10 * hz} {hz} 0 {hz} 0 {5 * hz} 0\n"
+        "cpu0 1 2 3 4 5 6 7 8 9 10\n"
+    )
+    # Guest time is already in user: busy 3+1+2+1, idle 10+1.
+    assert testrun.cpu_counters(stat) == (7.0, 18.0)
+    assert testrun.cpu_counters(tmp_path / "missing") is None
+    (tmp_path / "other").write_text("intr 1 2 3\n")
+    assert testrun.cpu_counters(tmp_path / "other") is None
+
+
+def test_timetable_says_the_machines_busy_share_between_two_readings(
+    tmp_path: Path,
+):
+    lines = testrun.timetable(
+        "Some CPU, 2 cores",
+        [("hooks", 1.0)],
+        [],
+        tmp_path,
+        wall_s=100.0,
+        counters=((1000.0, 5000.0), (1186.0, 5200.0)),
+    )
+    assert "=== the machine's CPU time (/proc/stat): 186 s busy of 200 s, 93%" in lines
+    assert lines.index("=== steps, slowest first (wall time)") > 1

@@ -370,6 +370,7 @@ def _envs_ready(root: Path) -> bool:
 def run(root: Path, rest: list[str]) -> int:
     """The whole of ``./wb test``; ``rest`` goes to the project's pytest."""
     start = time.monotonic()
+    counters_at_start = cpu_counters()
     # The environments' steps (each takes time where it makes its venv).
     times: list[tuple[str, float]] = []
     # Seconds, not minutes after the install, when it cannot go on.
@@ -431,7 +432,13 @@ def run(root: Path, rest: list[str]) -> int:
     wall_s = time.monotonic() - start
     times += [("./wb test, in all", wall_s)]
     reports = [(r.junit, _tree(root, r.log.stem)) for r in ran if r.junit is not None]
-    table = timetable(machine.describe(), times, reports, root, wall_s=wall_s)
+    counters_at_end = cpu_counters()
+    counters = None
+    if counters_at_start is not None and counters_at_end is not None:
+        counters = (counters_at_start, counters_at_end)
+    table = timetable(
+        machine.describe(), times, reports, root, wall_s=wall_s, counters=counters
+    )
     print("\n".join(table), flush=True)
     envs_made_s = sum(seconds for _, seconds in envs_made) if envs_s else None
     fresh = measured_times(ran, reports, root, envs_made_s)
@@ -480,6 +487,24 @@ def summary(verdicts: list[Verdict]) -> tuple[list[str], int]:
     return lines, 1 if failed else 0
 
 
+def cpu_counters(stat: Path = Path("/proc/stat")) -> tuple[float, float] | None:
+    """The machine's CPU seconds so far, busy and in all (every core), from
+    the kernel's counters; None where there are none (not Linux). Unlike the
+    CPU time of waited-for children, this counts an engine's processes,
+    which are killed with their group and never waited for."""
+    try:
+        fields = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is in user).
+    ticks = [int(f) for f in fields[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
 def timetable(
     cpu: str,
     steps: list[tuple[str, float]],
@@ -487,13 +512,16 @@ def timetable(
     root: Path,
     top: int = 20,
     wall_s: float | None = None,
+    counters: tuple[tuple[float, float], tuple[float, float]] | None = None,
 ) -> list[str]:
     """The time table: the machine ``cpu``, each of ``steps`` (name, wall
     seconds), then the ``top`` slowest test files of the (JUnit XML, test
     tree) pairs ``junits`` (a missing report is skipped), each the sum of its
     tests' setup, call and teardown; slowest first. A file's path is relative
     to ``root``. With ``wall_s`` (the run's wall time), the CPU time of the
-    child processes it waited for, and the cores that kept busy."""
+    child processes it waited for, and the cores that kept busy; with
+    ``counters`` (``cpu_counters()`` at the start and the end), the whole
+    machine's busy time."""
     lines = [f"=== time table: {cpu}"]
     if wall_s is not None:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -501,6 +529,13 @@ def timetable(
         lines.append(
             f"=== CPU time of the processes it waited for: {busy:.0f} s, "
             f"{busy / wall_s:.2f} of {os.cpu_count()} cores busy on average"
+        )
+    if counters is not None:
+        (busy_0, all_0), (busy_1, all_1) = counters
+        share = (busy_1 - busy_0) / max(all_1 - all_0, 1e-9)
+        lines.append(
+            f"=== the machine's CPU time (/proc/stat): {busy_1 - busy_0:.0f} s "
+            f"busy of {all_1 - all_0:.0f} s, {share:.0%}"
         )
     lines.append("=== steps, slowest first (wall time)")
     for name, seconds in sorted(steps, key=lambda step: -step[1]):
