@@ -2,7 +2,7 @@
 process that imported vLLM's command line once.
 
 A run that a setting stops in the API server process is mostly the import of
-vLLM (13 s of one core here; minutes on a loaded CI machine); eighteen such
+vLLM (16 s of one core here; minutes on a loaded CI machine); eighteen such
 runs were most of two test files' time. The child runs what the ``vllm``
 console script runs, ``vllm.entrypoints.cli.main.main()``, with the case's
 arguments and environment, its output going to a file as a subprocess's
