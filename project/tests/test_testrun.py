@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -107,9 +108,10 @@ def stand_in_wb(tmp_path: Path, passed: int) -> None:
 def test_a_lane_runs_its_steps_then_its_test_files_each_with_its_log(
     tmp_path: Path,
 ):
-    """Steps one by one, then the workbench's test files in one pytest run;
-    once the environments are made, the release's step and the project's
-    test files in one more, in their variables; each with its log and
+    """The workbench's test files in one pytest run of their own python;
+    once the environments are made, the release's step; once .venv is made,
+    the hooks and upstream's step, then the project's test files in one
+    more pytest run, in the environments' variables; each with its log and
     verdict, nothing on stdout but the verdict lines."""
     tools = executable(
         tmp_path / "python", f"import sys\nprint({HOOKS_OUTPUT!r}, end='')\nsys.exit(1)"
@@ -138,25 +140,40 @@ def test_a_lane_runs_its_steps_then_its_test_files_each_with_its_log(
         lanes.Job("project/tests/test_other.py", 3, needs_envs=True),
     ]
     envs: Future[dict[str, str]] = Future()
-    ran = testrun._lane(
-        2, share, tmp_path, tools, Path(sys.executable), [], logs, envs,
-        lambda: {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": "up"},
-    )  # fmt: skip
+    # The workbench's tests run before .venv is made, in their own python.
+    workbench_python = executable(
+        tmp_path / "workbench-python",
+        "import os, sys\nos.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+    )
+    venv: Future[Path] = Future()
+    pythons = testrun.Pythons(tools, workbench_python, venv)
+    with ThreadPoolExecutor(1) as pool:
+        lane = pool.submit(
+            testrun._lane, 2, share, tmp_path, pythons, [], logs, envs,
+            lambda: {"KVLC_REQUIRE_E2E": "1", "KVLC_UPSTREAM_PYTHON": "up"},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (logs / "release.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (logs / "hooks.log").exists() and not lane.done()
+        venv.set_result(Path(sys.executable))
+        ran = lane.result()
     assert envs.result()["KVLC_UPSTREAM_PYTHON"] == "up"
     assert [(r.verdict.name, r.verdict.passed, r.verdict.failed) for r in ran] == [
-        ("project hooks", 2, 1),
-        ("upstream and stack tests", 7, 0),
         ("workbench tests, lane 2", 2, 0),
         (f"upstream and stack tests on vLLM {testrun.upstream.NEXT_RELEASE}", 7, 0),
+        ("project hooks", 2, 1),
+        ("upstream and stack tests", 7, 0),
         ("project tests, lane 2", 4, 0),
     ]
     assert [r.log.name for r in ran] == [
-        "hooks.log",
-        "upstream.log",
         "workbench-tests-lane-2.log",
         "release.log",
+        "hooks.log",
+        "upstream.log",
         "project-tests-lane-2.log",
     ]
+    assert str(workbench_python) in (logs / "workbench-tests-lane-2.log").read_text()
     assert all(r.verdict.seconds > 0 for r in ran)
     assert (logs / "hooks.log").read_text().endswith(HOOKS_OUTPUT)
     assert "--durations=25" in (logs / "workbench-tests-lane-2.log").read_text()
@@ -201,6 +218,32 @@ def test_jobs_needing_the_environments_start_after_lane_0_made_them():
     ]
 
 
+def test_jobs_needing_venv_start_once_it_is_made_and_the_rest_fill_the_wait():
+    """.venv is made beside the lanes: the jobs that do not use it (the
+    workbench's tests, the release's, which needs only the side
+    environments) run meanwhile; a job that uses it starts no earlier."""
+    jobs = [
+        lanes.Job("project", 10, needs_envs=True, needs_venv=True),
+        lanes.Job("upstream", 6, needs_venv=True),
+        lanes.Job("release", 5, needs_envs=True),
+        lanes.Job("workbench", 4),
+    ]
+    shares = lanes.plan(jobs, 2, 0.0, venv_s=5.0)
+    # workbench and release fill both lanes until .venv is there (5 s);
+    # upstream then ends soonest after workbench (4 -> 5 + 6), project after
+    # release (5 + 10).
+    assert [[job.name for job in share] for share in shares] == [
+        ["workbench", "upstream"],
+        ["release", "project"],
+    ]
+    assert [job.name for job in sorted(jobs, key=lambda job: job.needs)] == [
+        "workbench",
+        "release",
+        "upstream",
+        "project",
+    ]
+
+
 def test_jobs_are_every_test_file_and_the_three_steps_with_measured_times(
     tmp_path: Path,
 ):
@@ -213,11 +256,11 @@ def test_jobs_are_every_test_file_and_the_three_steps_with_measured_times(
     times = {"hooks": 1.0, "project/tests/test_x_e2e.py": 40.0, "gone.py": 9.0}
     jobs = {job.name: job for job in testrun.jobs(tmp_path, times)}
     assert jobs == {
-        "hooks": lanes.Job("hooks", 1.0),
-        "upstream": lanes.Job("upstream", lanes.UNMEASURED_S),
+        "hooks": lanes.Job("hooks", 1.0, needs_venv=True),
+        "upstream": lanes.Job("upstream", lanes.UNMEASURED_S, needs_venv=True),
         "release": lanes.Job("release", lanes.UNMEASURED_S, needs_envs=True),
         "project/tests/test_x_e2e.py": lanes.Job(
-            "project/tests/test_x_e2e.py", 40.0, needs_envs=True
+            "project/tests/test_x_e2e.py", 40.0, needs_envs=True, needs_venv=True
         ),
         testrun.WORKBENCH_TESTS[0]: lanes.Job(
             testrun.WORKBENCH_TESTS[0], lanes.UNMEASURED_S
@@ -310,6 +353,8 @@ def test_run_shares_every_job_among_the_lanes_and_reports_them_after(
     )
     monkeypatch.setattr(testrun, "_envs_ready", lambda root: False)
     monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun, "workbench_test_python", lambda root: python)
+    monkeypatch.setattr(testrun.devenv, "is_current", lambda root: False)
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", hooks)
     monkeypatch.setattr(testrun, "_upstream_tests", upstream_tests)
@@ -350,6 +395,8 @@ def test_a_failed_environment_leaves_no_lane_waiting(tmp_path: Path, monkeypatch
     monkeypatch.setattr(testrun.devenv, "ensure_unpatched", unpatched)
     monkeypatch.setattr(testrun, "_envs_ready", lambda root: False)
     monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun, "workbench_test_python", lambda root: python)
+    monkeypatch.setattr(testrun.devenv, "is_current", lambda root: False)
     monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
     monkeypatch.setattr(testrun, "_hooks", lambda root, tools, out: verdict)
     monkeypatch.setattr(testrun, "_upstream_tests", lambda *args, **kw: verdict)
@@ -357,6 +404,57 @@ def test_a_failed_environment_leaves_no_lane_waiting(tmp_path: Path, monkeypatch
     monkeypatch.setattr(testrun, "_project_tests", lambda *args, **kw: verdict)
     with pytest.raises(RuntimeError, match="no index"):
         testrun.run(tmp_path, [])
+
+
+@pytest.mark.timeout(120)
+def test_a_venv_that_cannot_be_made_stops_the_lanes(tmp_path: Path, monkeypatch):
+    """The lanes that wait for .venv get its error instead of waiting
+    forever; ``./wb test`` stops with it."""
+    python = Path(sys.executable)
+    verdict = testrun.Verdict("step", 1, 0, "1 passed")
+
+    def no_venv(root):
+        raise RuntimeError("no index")
+
+    (tmp_path / "project" / "tests").mkdir(parents=True)
+    (tmp_path / "project" / "tests" / "test_a.py").write_text("")
+    monkeypatch.setenv(testrun.LANES_VAR, "2")
+    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
+    monkeypatch.setattr(testrun.devenv, "ensure", no_venv)
+    monkeypatch.setattr(testrun.devenv, "is_current", lambda root: False)
+    monkeypatch.setattr(testrun, "_envs_ready", lambda root: True)
+    monkeypatch.setattr(testrun, "_side_envs", lambda root, times: {})
+    monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun, "workbench_test_python", lambda root: python)
+    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
+    for step in ("_hooks", "_upstream_tests", "_release_tests", "_project_tests"):
+        monkeypatch.setattr(testrun, step, lambda *args, **kw: verdict)
+    with pytest.raises(RuntimeError, match="no index"):
+        testrun.run(tmp_path, [])
+
+
+def test_workbench_tests_run_in_pytest_of_the_test_requirements(
+    tmp_path: Path, monkeypatch
+):
+    """The workbench's tests' environment holds the test requirements'
+    pytest and pytest-timeout, pinned as there, and nothing else."""
+    asked = {}
+
+    def tools_python(name, packages):
+        asked[name] = dict(packages)
+        return Path("/stand-in")
+
+    monkeypatch.setattr(testrun, "tools_python", tools_python)
+    assert testrun.workbench_test_python(REPO) == Path("/stand-in")
+    pins = (REPO / "project" / "requirements-test.txt").read_text().splitlines()
+    assert asked == {
+        "workbench-tests": {
+            next(line for line in pins if line.startswith("pytest==")): ("pytest",),
+            next(line for line in pins if line.startswith("pytest-timeout==")): (
+                "pytest_timeout",
+            ),
+        }
+    }
 
 
 def junit_xml(path: Path, cases: list[tuple[str, str, float]]) -> Path:

@@ -192,6 +192,12 @@ def heartbeat(seconds: float, latest: str, said: str) -> str:
     return line + " (no new output)"
 
 
+def is_current(root: Path) -> bool:
+    """Whether ``.venv`` holds what ``ensure(root)`` would install now."""
+    marker = root / ".venv" / "kvlc-installed"
+    return marker.exists() and marker.read_text() == _stack_digest(root)
+
+
 def ensure(root: Path, demo_only: bool = False) -> Path:
     """Return ``.venv``'s python with the patched vLLM and the reference
     connector installed, and, unless ``demo_only`` (what ``./wb demo``

@@ -7,9 +7,10 @@ from a clean-clone run; every ``./wb test`` writes the times it measured to
 moves time. A job missing there counts ``UNMEASURED_S``.
 
 The plan is the longest-processing-time rule: longest job first, each to the
-lane where it ends soonest. Lane 0 makes the side environments first; a job
-that needs them starts no earlier than that, in whichever lane it lands, and
-after that lane's jobs that do not need them.
+lane where it ends soonest. ``.venv`` is made beside the lanes, and lane 0
+makes the side environments first: a job that needs either starts no earlier
+than it is made, in whichever lane it lands, and after that lane's jobs that
+need less (the order ``Job.needs`` gives).
 """
 
 from __future__ import annotations
@@ -23,34 +24,45 @@ TIMES = "project/ci/test-times.json"
 # What a new test file is assumed to take until a run measured it: about
 # one served engine's start and a few requests on 2 cores.
 UNMEASURED_S = 30.0
-# The key of the side environments' making in ``TIMES``.
+# The keys of the side environments' and ``.venv``'s making in ``TIMES``.
 ENVIRONMENTS = "environments"
+VENV = "venv"
 
 
 @dataclass(frozen=True)
 class Job:
     """A step or a test file, its expected seconds, and whether it waits
-    for the side environments."""
+    for the side environments and for ``.venv``."""
 
     name: str
     seconds: float
     needs_envs: bool = False
+    needs_venv: bool = False
+
+    @property
+    def needs(self) -> tuple[bool, bool]:
+        """The order a lane runs its jobs in: those that wait for nothing,
+        then for the side environments only (made first, and cached), then
+        for ``.venv`` only, then for both."""
+        return (self.needs_venv, self.needs_envs)
 
 
-def plan(jobs: Sequence[Job], lanes: int, envs_s: float) -> list[list[Job]]:
+def plan(
+    jobs: Sequence[Job], lanes: int, envs_s: float, venv_s: float = 0.0
+) -> list[list[Job]]:
     """``jobs`` shared among ``lanes`` lanes, each lane's in the order it
-    runs them; lane 0 spends ``envs_s`` making the side environments first."""
+    runs them; lane 0 spends ``envs_s`` making the side environments first,
+    while ``.venv`` takes ``venv_s`` beside the lanes."""
     if lanes < 1:
         raise ValueError(f"lanes must be at least 1, not {lanes}")
     ends = [envs_s] + [0.0] * (lanes - 1)
     shares: list[list[Job]] = [[] for _ in range(lanes)]
-
-    def longest_first(needs_envs: bool) -> list[Job]:
-        chosen = (job for job in jobs if job.needs_envs == needs_envs)
-        return sorted(chosen, key=lambda job: (-job.seconds, job.name))
-
-    for job in longest_first(False) + longest_first(True):
-        starts = [max(end, envs_s) if job.needs_envs else end for end in ends]
+    order = sorted(jobs, key=lambda job: (job.needs, -job.seconds, job.name))
+    for job in order:
+        ready = max(
+            envs_s if job.needs_envs else 0.0, venv_s if job.needs_venv else 0.0
+        )
+        starts = [max(end, ready) for end in ends]
         lane = min(range(lanes), key=lambda i: (starts[i] + job.seconds, i))
         ends[lane] = starts[lane] + job.seconds
         shares[lane].append(job)

@@ -2,21 +2,23 @@
 
 First the system packages the end-to-end tests need (``project/ci/
 system-packages``: installed when possible, else it stops at once with one
-line), then ``.venv``; then the jobs, shared among lanes that run side by
-side by the times a clean-clone run measured (``workbench.lanes``): the
-project's hooks, upstream's and the stack's tests (``wb regress``), the same
-on the newest release (``wb release-test --fast``), and each test file of
-the project, the workbench's own (``WORKBENCH_TESTS``) among them. Lane 0
-first makes the side environments (the unpatched release's, LMCache's, the
-newest release's; kept in the cache folder and remade only when their inputs
-change), which the end-to-end tests wait for. Each job's output is held in
-a log and printed at the end, each step with one verdict line; the last line
-counts tests in the form CI runners read (``N passed, M failed``), where a
-failure of the unpatched release that the patched build shares is not
-counted: only regressions are. A time table closes the run: the machine,
-the CPU time spent, each step's wall time and the slowest test files (from
-the steps' JUnit XML, kept in the logs' folder), slowest first; the times
-measured go to ``build/wb-test/test-times.json``.
+line); then the jobs, shared among lanes that run side by side by the
+times a clean-clone run measured (``workbench.lanes``): the project's hooks,
+upstream's and the stack's tests (``wb regress``), the same on the newest
+release (``wb release-test --fast``), and each test file of the project, the
+workbench's own (``WORKBENCH_TESTS``) among them. ``.venv`` is made beside
+the lanes, which meanwhile run the jobs that do not use it (the newest
+release's tests, the workbench's own in an environment of pytest alone).
+Lane 0 first makes the side environments (the unpatched release's,
+LMCache's, the newest release's; kept in the cache folder and remade only
+when their inputs change), which the end-to-end tests wait for. Each job's
+output is held in a log and printed at the end, each step with one verdict
+line; the last line counts tests in the form CI runners read (``N passed, M
+failed``), where a failure of the unpatched release that the patched build
+shares is not counted: only regressions are. A time table closes the run:
+the machine, the CPU time spent, each step's wall time and the slowest test
+files (from the steps' JUnit XML, kept in the logs' folder), slowest first;
+the times measured go to ``build/wb-test/test-times.json``.
 """
 
 from __future__ import annotations
@@ -211,13 +213,14 @@ def _release_tests(
 
 # The workbench's own tests: no engine, mostly git, zip and file copies (the
 # CUDA wheel's repack, the trial stack's checks); they need none of the side
-# environments.
+# environments, and not vLLM: they run in an environment of pytest alone
+# (``workbench_test_python``) while ``.venv`` is made. ``test_build_cuda.py``
+# is not among them: it imports the CUDA wheel's stack against .venv's torch.
 WORKBENCH_TESTS = tuple(
     f"project/tests/{name}"
     for name in (
         "test_workbench.py",
         "test_derive.py",
-        "test_build_cuda.py",
         "test_prefixes.py",
         "test_regress.py",
         "test_declared.py",
@@ -264,14 +267,31 @@ def jobs(root: Path, times: dict[str, float]) -> list[lanes.Job]:
         p.relative_to(root).as_posix()
         for p in (root / "project" / "tests").glob("test_*.py")
     )
-    found = [lanes.Job(HOOKS, times.get(HOOKS, lanes.UNMEASURED_S))]
-    found.append(lanes.Job(UPSTREAM, times.get(UPSTREAM, lanes.UNMEASURED_S)))
+    # mypy reads .venv's vLLM for the connectors (a hook).
+    found = [lanes.Job(HOOKS, times.get(HOOKS, lanes.UNMEASURED_S), needs_venv=True)]
+    found.append(
+        lanes.Job(UPSTREAM, times.get(UPSTREAM, lanes.UNMEASURED_S), needs_venv=True)
+    )
     # The newest release's environment is one of the side environments.
     found.append(lanes.Job(RELEASE, times.get(RELEASE, lanes.UNMEASURED_S), True))
     for name in files:
         seconds = times.get(name, lanes.UNMEASURED_S)
-        found.append(lanes.Job(name, seconds, needs_envs=name not in WORKBENCH_TESTS))
+        project = name not in WORKBENCH_TESTS
+        found.append(lanes.Job(name, seconds, needs_envs=project, needs_venv=project))
     return found
+
+
+def workbench_test_python(root: Path) -> Path:
+    """The python of an environment holding the test requirements' pytest
+    and pytest-timeout only (made once per machine), for the workbench's
+    own tests."""
+    pins = {}
+    for line in (root / devenv.TEST_REQUIREMENTS).read_text().splitlines():
+        name, _, version = line.partition("==")
+        if version:
+            pins[name.strip()] = line.strip()
+    wanted = {"pytest": ("pytest",), "pytest-timeout": ("pytest_timeout",)}
+    return tools_python("workbench-tests", {pins[n]: m for n, m in wanted.items()})
 
 
 @dataclass
@@ -283,22 +303,32 @@ class Ran:
     junit: Path | None = None
 
 
+@dataclass
+class Pythons:
+    """The interpreters a lane's jobs run in: the tools', the workbench
+    tests', and ``.venv``'s once it is made."""
+
+    tools: Path
+    workbench_tests: Path
+    venv: Future[Path]
+
+
 def _lane(
     index: int,
     share: list[lanes.Job],
     root: Path,
-    tools: Path,
-    python: Path,
+    pythons: Pythons,
     rest: list[str],
     logs: Path,
     envs: Future[dict[str, str]],
     make_envs: Callable[[], dict[str, str]] | None = None,
 ) -> list[Ran]:
-    """Run one lane's ``share`` of the jobs, those needing the side
-    environments once ``envs`` holds their variables: steps one by one, its
-    test files in one pytest run per kind, each with its output in its log.
-    With ``make_envs``, the lane first makes the environments and sets
-    ``envs`` (or its exception, so that no lane waits forever)."""
+    """Run one lane's ``share`` of the jobs in the order ``lanes.Job.needs``
+    gives, each once what it needs is there (``envs`` holding the side
+    environments' variables, ``pythons.venv`` ``.venv``'s python): steps one
+    by one, its test files in one pytest run per kind, each with its output
+    in its log. With ``make_envs``, the lane first makes the environments and
+    sets ``envs`` (or its exception, so that no lane waits forever)."""
     names = [job.name for job in share]
     ran: list[Ran] = []
     if make_envs is not None:
@@ -315,7 +345,7 @@ def _lane(
         print(f"{verdict.line()} (lane {index})", flush=True)
         ran.append(Ran(verdict, log, junit))
 
-    def tests(kind: str, files: list[str], env: dict[str, str]) -> None:
+    def tests(kind: str, python: Path, files: list[str], env: dict[str, str]) -> None:
         if files:
             name = f"{kind} tests, lane {index}"
             step(
@@ -332,20 +362,23 @@ def _lane(
                 ),
             )
 
-    if HOOKS in names:
-        step(HOOKS, lambda out, junit: _hooks(root, tools, out))
-    if UPSTREAM in names:
-        step(UPSTREAM, lambda out, junit: _upstream_tests(root, python, out, junit))
     workbench = [name for name in names if name in WORKBENCH_TESTS]
-    tests("workbench", workbench, {"KVLC_REQUIRE_E2E": "1"})
-    if any(job.needs_envs for job in share):
-        env = envs.result()
-        if RELEASE in names:
-            step(RELEASE, lambda out, junit: _release_tests(root, out, junit))
-        project = [
-            n for n in names if n not in (*WORKBENCH_TESTS, HOOKS, UPSTREAM, RELEASE)
-        ]
-        tests("project", project, env)
+    tests("workbench", pythons.workbench_tests, workbench, {"KVLC_REQUIRE_E2E": "1"})
+    if RELEASE in names:
+        envs.result()
+        step(RELEASE, lambda out, junit: _release_tests(root, out, junit))
+    if HOOKS in names:
+        pythons.venv.result()
+        step(HOOKS, lambda out, junit: _hooks(root, pythons.tools, out))
+    if UPSTREAM in names:
+        python = pythons.venv.result()
+        step(UPSTREAM, lambda out, junit: _upstream_tests(root, python, out, junit))
+    project = [
+        n for n in names if n not in (*WORKBENCH_TESTS, HOOKS, UPSTREAM, RELEASE)
+    ]
+    if project:
+        python, env = pythons.venv.result(), envs.result()
+        tests("project", python, project, env)
     return ran
 
 
@@ -378,11 +411,12 @@ def run(root: Path, rest: list[str]) -> int:
         ready = syspkgs.ensure(root)
     if not ready:
         return 1
-    with _clock(times, "environment .venv (the patched vLLM)"):
-        python = devenv.ensure(root)
     with _clock(times, "environment of the tools"):
         tools = tools_python()
-    # The lanes below read the pristine tree; its unpack must not race.
+    with _clock(times, "environment of the workbench's tests"):
+        workbench_tests = workbench_test_python(root)
+    # The lanes and .venv's build read the pristine tree; its unpack must
+    # not race.
     with _clock(times, "pristine tree"):
         upstream.pristine_tree()
     # Each process of the lanes computes on one thread (unless the caller
@@ -397,8 +431,10 @@ def run(root: Path, rest: list[str]) -> int:
     # PYTHONDONTWRITEBYTECODE would have every start pay that.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     measured = lanes.load(root)
-    envs_s = 0.0 if _envs_ready(root) else measured.get(lanes.ENVIRONMENTS, 900.0)
-    shares = lanes.plan(jobs(root, measured), lane_count(), envs_s)
+    envs_ready = _envs_ready(root)
+    envs_s = 0.0 if envs_ready else measured.get(lanes.ENVIRONMENTS, 900.0)
+    venv_s = 0.0 if devenv.is_current(root) else measured.get(lanes.VENV, 240.0)
+    shares = lanes.plan(jobs(root, measured), lane_count(), envs_s, venv_s)
     logs = root / "build" / "wb-test"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"=== {len(shares)} lanes, by the times in {lanes.TIMES}; logs in {logs}")
@@ -408,20 +444,31 @@ def run(root: Path, rest: list[str]) -> int:
         print(f"  lane {index} (~{expected / 60:.0f} min): {names}", flush=True)
     envs: Future[dict[str, str]] = Future()
     envs_made: list[tuple[str, float]] = []
+    pythons = Pythons(tools, workbench_tests, Future())
 
     def make_envs() -> dict[str, str]:
+        if not envs_ready:
+            # Their files are hard links to .venv's where they are the same.
+            pythons.venv.result()
         return _side_envs(root, envs_made)
 
+    venv_made: list[tuple[str, float]] = []
     with ThreadPoolExecutor(len(shares)) as pool:
         futures = [
             pool.submit(
-                _lane, i, share, root, tools, python, rest, logs, envs,
+                _lane, i, share, root, pythons, rest, logs, envs,
                 make_envs if i == 0 else None,
             )
             for i, share in enumerate(shares)
         ]  # fmt: skip
+        try:
+            with _clock(venv_made, "environment .venv (the patched vLLM)"):
+                pythons.venv.set_result(devenv.ensure(root))
+        except BaseException as e:
+            print(f"=== .venv could not be made ({e}); the lanes stop", flush=True)
+            pythons.venv.set_exception(e)
         ran = [r for future in futures for r in future.result()]
-    times += envs_made
+    times += venv_made + envs_made
     for r in ran:
         print(f"=== {r.verdict.name} ({r.log})", flush=True)
         print(r.log.read_text(), end="", flush=True)
@@ -441,7 +488,8 @@ def run(root: Path, rest: list[str]) -> int:
     )
     print("\n".join(table), flush=True)
     envs_made_s = sum(seconds for _, seconds in envs_made) if envs_s else None
-    fresh = measured_times(ran, reports, root, envs_made_s)
+    venv_made_s = venv_made[0][1] if venv_s else None
+    fresh = measured_times(ran, reports, root, envs_made_s, venv_made_s)
     lanes.write(logs / "test-times.json", {**measured, **fresh})
     print(
         f"=== the times measured: {logs / 'test-times.json'} "
@@ -460,10 +508,15 @@ def _tree(root: Path, step: str) -> Path:
 
 
 def measured_times(
-    ran: list[Ran], reports: list[tuple[Path, Path]], root: Path, envs_s: float | None
+    ran: list[Ran],
+    reports: list[tuple[Path, Path]],
+    root: Path,
+    envs_s: float | None,
+    venv_s: float | None = None,
 ) -> dict[str, float]:
     """Each job's seconds in this run: a step's wall time, a project test
-    file's from its JUnit report; the side environments' if they were made."""
+    file's from its JUnit report; the side environments' and ``.venv``'s if
+    they were made."""
     fresh: dict[str, float] = {}
     for r in ran:
         if r.log.stem in (HOOKS, UPSTREAM, RELEASE):
@@ -475,6 +528,8 @@ def measured_times(
             fresh[path] = seconds
     if envs_s is not None:
         fresh[lanes.ENVIRONMENTS] = envs_s
+    if venv_s is not None:
+        fresh[lanes.VENV] = venv_s
     return fresh
 
 
