@@ -38,9 +38,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_model import make_model  # noqa: E402
@@ -194,12 +195,46 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> 
         return text
 
 
-class Server:
-    """A vLLM server subprocess in its own process group, logging to a file."""
+class ServerProcess(Protocol):
+    """What ``Server`` uses of its process: ``subprocess.Popen``'s."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# Starts ``command`` under ``env`` in a session of its own, its stdout and
+# stderr appended to the log file.
+Starter = Callable[[list[str], dict[str, str], Path], ServerProcess]
+
+
+class Server:
+    """A vLLM server subprocess in its own process group, logging to a file.
+
+    ``start`` stands in for ``subprocess.Popen`` where a caller has a cheaper
+    way to start the same command (the tests fork it from a process that
+    imported vLLM already).
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        start: Starter | None = None,
+    ):
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("wb")
+        self.proc: ServerProcess
+        if start is not None:
+            self.proc = start(command, env, log_path)
+            return
         self.proc = subprocess.Popen(
             command,
             env=env,

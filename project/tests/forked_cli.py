@@ -1,16 +1,25 @@
-"""``vllm serve`` runs that stop before an engine starts, each forked from one
-process that imported vLLM's command line once.
+"""``vllm`` runs forked from one process that imported vLLM's command line
+and API server once.
 
-A run that a setting stops in the API server process is mostly the import of
-vLLM (16 s of one core here; minutes on a loaded CI machine); eighteen such
-runs were most of two test files' time. The child runs what the ``vllm``
-console script runs, ``vllm.entrypoints.cli.main.main()``, with the case's
-arguments and environment, its output going to a file as a subprocess's
-would; its exit status is the script's. Runs that start an engine do not
-belong here: vLLM's CPU platform spawns the engine's processes, which import
-vLLM afresh anyway.
+A ``vllm serve`` process is mostly the import of vLLM before it does
+anything (16 s of one core here; minutes on a loaded CI machine). Runs that a
+setting stops in the API server were most of two test files' time, and every
+served engine paid it once more on top of its engine core's and worker's.
+A forked child runs what the ``vllm`` console script runs,
+``vllm.entrypoints.cli.main.main()``, with the case's arguments and
+environment, in a session of its own (as ``start_new_session``), its output
+going to a file as a subprocess's would; its exit status is the script's.
+What the child does from there is what the script does: vLLM's CPU platform
+spawns the engine core and the workers, which import vLLM afresh.
 
-The parent runs this file as a script and talks JSON lines on its pipes.
+What differs from the script: ``/proc/<pid>/cmdline`` shows this file, not the
+case's arguments (a test that reads it starts its server with ``Popen``), and
+modules the parent imported were imported under the parent's environment
+(``serve_demo.server_env()``); the case's ``PYTHONPATH`` is put in front of
+``sys.path``, which the spawned processes inherit.
+
+The parent runs this file as a script and talks JSON lines on its pipes; it
+answers at once, so a server's ``poll()`` never waits behind another's run.
 """
 
 from __future__ import annotations
@@ -21,15 +30,51 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
+class ForkedProcess:
+    """A forked ``vllm`` run, as much of ``subprocess.Popen`` as the tests
+    and ``serve_demo.Server`` use."""
+
+    def __init__(self, cli: ForkedCli, pid: int, args: list[str]):
+        self._cli = cli
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._cli._ask({"op": "poll", "pid": self.pid})["status"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (status := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.05)
+        return status
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class ForkedCli:
-    """A process that imported vLLM's CLI and forks a ``vllm`` run on request."""
+    """A process that imported vLLM's CLI and forks ``vllm`` runs on request.
+    Safe to use from several threads."""
 
     def __init__(self, env: dict[str, str]):
+        self._lock = threading.Lock()
         self._process = subprocess.Popen(
             [sys.executable, __file__],
             env=env,
@@ -43,26 +88,49 @@ class ForkedCli:
             self.close()
             raise RuntimeError(f"vLLM's CLI did not import: {ready!r}")
 
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self._process.stdin is not None and self._process.stdout is not None
+        with self._lock:
+            self._process.stdin.write(json.dumps(request) + "\n")
+            self._process.stdin.flush()
+            answer = self._process.stdout.readline()
+        if not answer:
+            raise RuntimeError("the forking process ended")
+        reply: dict[str, Any] = json.loads(answer)
+        return reply
+
+    def start(
+        self, argv: list[str], env: dict[str, str], output: Path
+    ) -> ForkedProcess:
+        """Start ``vllm *argv`` under ``env``, its stdout and stderr appended
+        to ``output``."""
+        request = {"op": "start", "argv": argv, "env": env, "output": str(output)}
+        return ForkedProcess(self, self._ask(request)["pid"], ["vllm", *argv])
+
+    def starter(
+        self, command: list[str]
+    ) -> Callable[[list[str], dict[str, str], Path], ForkedProcess] | None:
+        """What ``serve_demo.Server`` starts ``command`` with: a fork if it is
+        this environment's ``vllm serve`` with no wrapper (a namespace,
+        another interpreter) in front, else None (a subprocess)."""
+        script = str(Path(sys.executable).parent / "vllm")
+        if command[:2] != [script, "serve"]:
+            return None
+        return lambda command, env, output: self.start(command[1:], env, output)
+
     def run(
         self, argv: list[str], env: dict[str, str], timeout: float
     ) -> tuple[int, str]:
         """Run ``vllm *argv`` under ``env``; its exit status and output
         (stdout and stderr together). A run past ``timeout`` is killed and
         reported as exit status -9."""
-        assert self._process.stdin is not None and self._process.stdout is not None
         with tempfile.NamedTemporaryFile("r", prefix="kvlc-cli-") as output:
-            request = {
-                "argv": argv,
-                "env": env,
-                "timeout": timeout,
-                "output": output.name,
-            }
-            self._process.stdin.write(json.dumps(request) + "\n")
-            self._process.stdin.flush()
-            answer = self._process.stdout.readline()
-            if not answer:
-                raise RuntimeError("the forking process ended")
-            status: int = json.loads(answer)["status"]
+            process = self.start(argv, env, Path(output.name))
+            try:
+                status = process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                status = process.wait()
             return status, output.read()
 
     def close(self) -> None:
@@ -77,17 +145,23 @@ class ForkedCli:
 
 def _child(request: dict[str, Any]) -> None:
     """In the forked child: become ``vllm *argv`` writing to the output file."""
-    from vllm.entrypoints.cli.main import main
-
-    fd = os.open(request["output"], os.O_WRONLY | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = ["vllm", *request["argv"]]
+    os.setsid()
     status = 1
     try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        fd = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = request["env"].get("PYTHONPATH", "").split(os.pathsep)
+        sys.path[:0] = [p for p in extra if p and p not in sys.path]
+        sys.argv = ["vllm", *request["argv"]]
+        from vllm.entrypoints.cli.main import main
+
         result = main()
         status = 0 if result is None else int(result)
     except SystemExit as e:
@@ -107,32 +181,30 @@ def _child(request: dict[str, Any]) -> None:
         os._exit(status)
 
 
-def _wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -signal.SIGKILL
-        time.sleep(0.05)
-
-
 def _serve_requests() -> None:
-    # What the console script's main() imports before it parses anything.
+    # What the console script's main() imports before it parses anything,
+    # and what `vllm serve` imports next.
     import vllm.entrypoints.cli.main  # noqa: F401
     import vllm.entrypoints.cli.serve  # noqa: F401
+    import vllm.entrypoints.openai.api_server  # noqa: F401
 
+    ended: dict[int, int] = {}
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        status = _wait(pid, request["timeout"])
-        print(json.dumps({"status": status}), flush=True)
+        if request["op"] == "start":
+            pid = os.fork()
+            if pid == 0:
+                _child(request)
+            answer: dict[str, Any] = {"pid": pid}
+        else:
+            pid = request["pid"]
+            if pid not in ended:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    ended[pid] = os.waitstatus_to_exitcode(status)
+            answer = {"status": ended.get(pid)}
+        print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":

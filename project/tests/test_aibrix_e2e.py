@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from forked_cli import ForkedCli
 from test_store_connector_e2e import BLOCK, Answer, Engine, prompt
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
@@ -56,6 +57,7 @@ KV = {
 
 
 def start(
+    cli: ForkedCli,
     name: str,
     root: Path,
     model: Path,
@@ -86,7 +88,10 @@ def start(
     if tp > 1:
         command += ["--tensor-parallel-size", str(tp)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    engine = Engine(name, serve_demo.Server(command, env, root / f"{name}.log"), port)
+    log = root / f"{name}.log"
+    engine = Engine(
+        name, serve_demo.Server(command, env, log, cli.starter(command)), port
+    )
     try:
         engine.server.wait_healthy(engine.url, timeout=600)
     except BaseException:
@@ -129,12 +134,16 @@ def model(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(root: Path, model: Path) -> Iterator[tuple[Engine, Engine]]:
+def pair(
+    root: Path, model: Path, forked_cli: ForkedCli
+) -> Iterator[tuple[Engine, Engine]]:
     """``a`` and ``b``, started together (an engine start is most of this
     module's time); L2 is read per request, so ``b`` may start before ``a``
     stores anything."""
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start, n, root, model, root / "l2") for n in "ab"]
+        futures = [
+            pool.submit(start, forked_cli, n, root, model, root / "l2") for n in "ab"
+        ]
     engines = [f.result() for f in futures if f.exception() is None]
     errors = [e for f in futures if (e := f.exception()) is not None]
     try:
@@ -185,7 +194,9 @@ def test_second_server_hits_what_the_first_stored(b: Engine, shared: dict[str, A
 
 
 @pytest.fixture(scope="module")
-def later(root: Path, model: Path, b: Engine) -> Iterator[dict[str, Engine]]:
+def later(
+    root: Path, model: Path, b: Engine, forked_cli: ForkedCli
+) -> Iterator[dict[str, Engine]]:
     """``evicting`` and ``tp2``, started together once the TP=1 pair is up
     (its fixture asks for ``b``): two starts at once fill the two cores
     that one start leaves half idle."""
@@ -197,10 +208,16 @@ def later(root: Path, model: Path, b: Engine) -> Iterator[dict[str, Engine]]:
     with ThreadPoolExecutor(2) as pool:
         futures = {
             "evicting": pool.submit(
-                start, "evicting", root, model, root / "l2-evicting", kv=evicting_kv
+                start,
+                forked_cli,
+                "evicting",
+                root,
+                model,
+                root / "l2-evicting",
+                kv=evicting_kv,
             ),
             "tp2": pool.submit(
-                start, "tp2", root, model, root / "l2-tp2", tp=2, l1=False
+                start, forked_cli, "tp2", root, model, root / "l2-tp2", tp=2, l1=False
             ),
         }
     engines = {n: f.result() for n, f in futures.items() if f.exception() is None}

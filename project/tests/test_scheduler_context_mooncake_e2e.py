@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from forked_cli import ForkedCli
 from mooncake_master import mooncake_master
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
@@ -90,7 +91,7 @@ def complete(base_url: str) -> dict[str, Any]:
 
 
 def test_mooncake_store_repeat_hits_with_identical_logprobs(
-    mooncake_config: Path, tmp_path: Path
+    mooncake_config: Path, tmp_path: Path, forked_cli: ForkedCli
 ) -> None:
     model = tmp_path / "model"
     subprocess.run(
@@ -101,10 +102,9 @@ def test_mooncake_store_repeat_hits_with_identical_logprobs(
     kv_config = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
     env = serve_demo.server_env()
     env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config)
+    command = serve_demo.server_command(model, port, kv_config)
     server = serve_demo.Server(
-        serve_demo.server_command(model, port, kv_config),
-        env,
-        tmp_path / "server.log",
+        command, env, tmp_path / "server.log", forked_cli.starter(command)
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import redis as redis_lib
 from conftest import REPO
+from forked_cli import ForkedCli
 from redis_server import RedisServer, StallProxy
 from test_store_connector_e2e import (
     BLOCK,
@@ -48,7 +49,9 @@ GET = b"$3\r\nGET\r\n"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli
+) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("async-load-e2e")
     model = make_model(root / "model")
     redis = RedisServer(root / "redis")
@@ -65,7 +68,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     port = serve_demo.free_port()
     command = serve_demo.server_command(model, port, kv_config(extra))
     command.append("--enable-log-requests")  # logs "Aborted request(s)"
-    server = serve_demo.Server(command, serve_demo.server_env(), root / "server.log")
+    log = root / "server.log"
+    server = serve_demo.Server(
+        command, serve_demo.server_env(), log, forked_cli.starter(command)
+    )
     engine = Engine("async", server, port)
     try:
         engine.server.wait_healthy(engine.url, timeout=600)

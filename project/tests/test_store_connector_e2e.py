@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 import redis as redis_lib
 from conftest import REPO
+from forked_cli import ForkedCli
 from redis_server import RedisServer, StallProxy
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
@@ -135,7 +136,9 @@ def kv_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli
+) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("store-e2e")
     model = make_model(root / "model")
     redis = RedisServer(root / "redis")
@@ -170,7 +173,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             port = serve_demo.free_port()
             command = serve_demo.server_command(model, port, kv_config(extra))
             server = serve_demo.Server(
-                command, serve_demo.server_env(), root / f"{name}.log"
+                command,
+                serve_demo.server_env(),
+                root / f"{name}.log",
+                forked_cli.starter(command),
             )
             engines[name] = Engine(name, server, port)
         for engine in engines.values():
@@ -436,10 +442,15 @@ NAMESPACE = "kvlc"  # the connector's default Redis namespace
 LEASE_TTL_S = 15.0  # longer than a kill takes, shorter than an engine start
 
 
-def start_engine(name: str, model: Path, root: Path, extra: dict[str, Any]) -> Engine:
+def start_engine(
+    cli: ForkedCli, name: str, model: Path, root: Path, extra: dict[str, Any]
+) -> Engine:
     port = serve_demo.free_port()
     command = serve_demo.server_command(model, port, kv_config(extra))
-    server = serve_demo.Server(command, serve_demo.server_env(), root / f"{name}.log")
+    log = root / f"{name}.log"
+    server = serve_demo.Server(
+        command, serve_demo.server_env(), log, cli.starter(command)
+    )
     return Engine(name, server, port)
 
 
@@ -516,7 +527,7 @@ def script_sha(script: str) -> bytes:
 
 
 @pytest.mark.parametrize("fault", ["holding_a_lease", "halfway_through_a_put"])
-def test_redis_server_killed(fault: str, tmp_path: Path) -> None:
+def test_redis_server_killed(fault: str, tmp_path: Path, forked_cli: ForkedCli) -> None:
     """A server is SIGKILLed at a point the test picks by stalling one Redis
     command (``StallProxy``):
 
@@ -534,6 +545,7 @@ def test_redis_server_killed(fault: str, tmp_path: Path) -> None:
     proxy = StallProxy(redis.port)
     client = redis_lib.Redis.from_url(redis.url)
     doomed = start_engine(
+        forked_cli,
         "doomed",
         model,
         tmp_path,
@@ -590,7 +602,11 @@ def test_redis_server_killed(fault: str, tmp_path: Path) -> None:
         assert open_leases(client) == leased
 
         fresh = start_engine(
-            "fresh", model, tmp_path, {"backend": "redis", "redis_url": redis.url}
+            forked_cli,
+            "fresh",
+            model,
+            tmp_path,
+            {"backend": "redis", "redis_url": redis.url},
         )
         while open_leases(client) and time.monotonic() < stalled_at + LEASE_TTL_S + 5:
             time.sleep(0.2)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from forked_cli import ForkedCli
 
 sys.path.insert(0, str(REPO / "project" / "demo"))
 import serve_demo  # noqa: E402
@@ -43,7 +44,9 @@ WINDOW = 4  # At least what one step allocates (a 4-block request).
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli
+) -> Iterator[Engine]:
     root = tmp_path_factory.mktemp("store-lazy")
     model = make_model(root / "model")
     port = serve_demo.free_port()
@@ -59,7 +62,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         if arg != "--no-enable-prefix-caching"
     ]
     command += ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512"]
-    server = serve_demo.Server(command, serve_demo.server_env(), root / "server.log")
+    log = root / "server.log"
+    server = serve_demo.Server(
+        command, serve_demo.server_env(), log, forked_cli.starter(command)
+    )
     engine = Engine("lazy", server, port)
     try:
         server.wait_healthy(engine.url, timeout=600)

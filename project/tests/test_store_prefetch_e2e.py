@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from forked_cli import ForkedCli
 from kvlc_store.prefetch import DIR_PREFIX
 from redis_server import RedisServer
 from test_store_connector_e2e import Engine, kv_config, prompt, repeats_at_once
@@ -36,7 +37,9 @@ def buffers() -> set[Path]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli
+) -> Iterator[dict[str, Any]]:
     if not SHM.is_dir():
         pytest.skip("no /dev/shm: the buffer goes to the temporary directory")
     root = tmp_path_factory.mktemp("prefetch-e2e")
@@ -53,7 +56,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     port = serve_demo.free_port()
     command = serve_demo.server_command(model, port, kv_config(extra))
     command += ["--max-num-seqs", "1"]
-    server = serve_demo.Server(command, serve_demo.server_env(), root / "server.log")
+    log = root / "server.log"
+    server = serve_demo.Server(
+        command, serve_demo.server_env(), log, forked_cli.starter(command)
+    )
     engine = Engine("prefetch", server, port)
     try:
         engine.server.wait_healthy(engine.url, timeout=600)

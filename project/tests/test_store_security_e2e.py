@@ -70,7 +70,11 @@ def in_namespace(command: list[str], mount: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, forked_cli: ForkedCli
+) -> Iterator[dict[str, Any]]:
+    """``dir`` (in a namespace, a subprocess), ``redis`` (a subprocess: a
+    test reads its command line) and ``config`` (forked, ``forked_cli.py``)."""
     if shutil.which("unshare") is None or shutil.which("nsenter") is None:
         pytest.fail("unshare and nsenter (util-linux) are needed")
     root = tmp_path_factory.mktemp("store-security")
@@ -108,7 +112,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         )
         command += ["--hf-config-path", str(other_config(model, root / "config"))]
         server = serve_demo.Server(
-            command, serve_demo.server_env(), root / "config.log"
+            command,
+            serve_demo.server_env(),
+            root / "config.log",
+            forked_cli.starter(command),
         )
         engines["config"] = Engine("config", server, port)
         for engine in engines.values():

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from forked_cli import ForkedCli
 from kvlc_store.chunk import encode_chunk, read_header
 from test_store_connector_e2e import BLOCK, Answer, Engine, prompt
 
@@ -44,7 +45,14 @@ def all_prompts() -> dict[str, str]:
     return out
 
 
-def start(name: str, root: Path, model: Path, tp: int, kv: dict[str, Any] | None):
+def start(
+    cli: ForkedCli,
+    name: str,
+    root: Path,
+    model: Path,
+    tp: int,
+    kv: dict[str, Any] | None,
+) -> Engine:
     port = serve_demo.free_port()
     # float32, the checkpoint's dtype: TP=2 sums the heads of two ranks in
     # another order than TP=1, and in bfloat16 that flipped a greedy token on
@@ -55,7 +63,10 @@ def start(name: str, root: Path, model: Path, tp: int, kv: dict[str, Any] | None
     if tp > 1:
         command += ["--tensor-parallel-size", str(tp)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    engine = Engine(name, serve_demo.Server(command, env, root / f"{name}.log"), port)
+    log = root / f"{name}.log"
+    engine = Engine(
+        name, serve_demo.Server(command, env, log, cli.starter(command)), port
+    )
     try:
         engine.server.wait_healthy(engine.url, timeout=600)
     except BaseException:
@@ -75,7 +86,9 @@ def model(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(root: Path, model: Path) -> Iterator[tuple[dict[str, Answer], Engine]]:
+def servers(
+    root: Path, model: Path, forked_cli: ForkedCli
+) -> Iterator[tuple[dict[str, Answer], Engine]]:
     """The reference answers (TP=1, no connector: what every answer below
     must equal), taken while the TP=2 server starts, and that server."""
     kv = {
@@ -87,9 +100,9 @@ def servers(root: Path, model: Path) -> Iterator[tuple[dict[str, Answer], Engine
         },
     }
     with ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(start, "tp2", root, model, 2, kv)
+        starting = pool.submit(start, forked_cli, "tp2", root, model, 2, kv)
         try:
-            engine = start("reference", root, model, 1, None)
+            engine = start(forked_cli, "reference", root, model, 1, None)
             try:
                 answers = {t: engine.complete(p) for t, p in all_prompts().items()}
             finally:
