@@ -31,6 +31,14 @@ from workbench import upstream  # noqa: E402
 # check connector behaviour, which does not depend on the backend, and runs
 # compared with the unpatched release get the same setting.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# One process fewer per engine: the worker of a one-rank engine runs inside
+# the engine core's process (vLLM's UniProcExecutor), as on every one-rank
+# GPU engine, instead of a process of its own that vLLM's CPU platform
+# otherwise starts and that imports vLLM once more (16 s of a core here); an
+# `LLM` also runs its engine core in the caller's process, as vLLM's own
+# engine tests do. Engines of two ranks keep a process per rank, so the
+# ranks' agreement still crosses processes.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 TRIAL_STACK = Path(__file__).parent / "data" / "trial-stack"
 
