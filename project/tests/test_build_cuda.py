@@ -1,7 +1,7 @@
 """The CUDA build of the real stack: the pinned ``vllm`` release wheel, repacked.
 
 Built twice per session, at the same time (the release is ~326 MB, a repack
-about a minute): once by ``build.repack`` and once by ``pip wheel .`` with
+a few seconds): once by ``build.repack`` and once by ``pip wheel .`` with
 ``VLLM_TARGET_DEVICE=cuda``, the path ``pip install .`` takes on a GPU
 machine. The CUDA kernels cannot load here (no CUDA libraries); they are
 checked byte for byte against the release instead.

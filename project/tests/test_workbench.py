@@ -119,7 +119,7 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     trial_root: Path, pristine: Path, tmp_path: Path
 ):
     out = trial_root / "build" / "export"
-    # Export builds its trees from hard links to the pristine tree.
+    # Export stages the pristine tree where it is (git reads it as a work tree).
     patched = pristine / "vllm" / "v1" / "core" / "sched" / "output.py"
     pristine_text = patched.read_bytes()
     assert wb(trial_root, "export", "--signoff", JOSE).returncode == 0
@@ -136,10 +136,11 @@ def test_export_is_deterministic_and_git_am_reproduces_the_stack(
     # git am by hand onto a fresh pristine tree gives the materialized tree
     assert wb(trial_root, "materialize").returncode == 0
     am_repo = tmp_path / "am"
-    materialize.init_base(am_repo, pristine)
+    materialize.init_base(am_repo, pristine, link=True)
     git(am_repo, "reset", "--quiet", "--hard", "stack")
     git(am_repo, "am", "--quiet", "--keep", str(out / "0001-trial.patch"))
     assert head_tree(am_repo) == head_tree(trial_root / "build" / "vllm")
+    assert patched.read_bytes() == pristine_text  # git am replaced the linked file
     # The submitter is the author, whom vLLM's DCO check matches the sign-off to.
     assert git_text(am_repo, "log", "-1", "--format=%an <%ae>").strip() == JOSE
 

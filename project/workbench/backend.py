@@ -18,7 +18,8 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 def get_requires_for_build_wheel(config_settings: object = None) -> list[str]:
-    return ["wheel"]
+    """Nothing beyond pip: the repack writes the wheel with the standard library."""
+    return []
 
 
 def build_wheel(

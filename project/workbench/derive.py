@@ -91,21 +91,24 @@ def _source_stack(stack: Stack) -> Iterator[tuple[Path, list[str]]]:
     entry commits bottom to top)."""
     with tempfile.TemporaryDirectory(prefix="kvlc-derive-") as tmp:
         repo = Path(tmp) / "source"
-        build_repo(stack, repo)
+        # Only git's plumbing reads or writes it after GNU patch.
+        build_repo(stack, repo, sparse=True)
         commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
         yield repo, commits
 
 
 def build_derived(
-    stack: Stack, repo: Path, *, trailers: bool = True
+    stack: Stack, repo: Path, *, trailers: bool = True, link: bool = False
 ) -> tuple[str, list[str]]:
     """Create ``repo`` (must not exist) holding the stack on ``NEXT_RELEASE``:
     base commit, one commit per entry, checked out on branch ``stack``.
+    ``link``: as for ``materialize.init_base`` (the files the two releases
+    share stay links to the pinned one's: for a repository nobody edits).
 
     Returns the top commit and what needs a person: an entry that conflicts
     and has no delta, or whose delta no longer applies, is committed as git's
     pick alone (a conflict taken on the entry's side)."""
-    build_repo(stack, repo)
+    build_repo(stack, repo, link=link)
     commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
     release = upstream.next_pristine_tree()
     head = commit_whole_tree(repo, release, _base_message(release))

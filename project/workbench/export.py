@@ -30,7 +30,7 @@ from pathlib import Path
 from workbench import derive, upstream
 from workbench.errors import WorkbenchError
 from workbench.gitutil import BASE_REF, IDENTITY, git, git_text
-from workbench.materialize import build_repo, init_base
+from workbench.materialize import build_repo
 from workbench.stack import Stack
 
 SIGNOFF_ENV = "KVLC_SIGNOFF"
@@ -118,14 +118,21 @@ def format_patches(repo: Path) -> list[bytes]:
     return [stream[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
-def am_onto_base(mails: list[bytes], source: Path, scratch: Path) -> str:
-    """``git am`` the mails onto a fresh pristine tree; return the resulting tree id."""
-    repo = scratch / "am"
-    init_base(repo, source, link=True)
-    git(repo, "reset", "--quiet", "--hard", "stack")
+def am_onto_base(repo: Path, mails: list[bytes]) -> str:
+    """``git am`` the mails onto ``repo``'s base commit, the pristine tree;
+    return the resulting tree id. ``repo`` (built by ``build_repo`` or
+    ``derive.build_derived``, clean) is on branch ``stack`` again after.
+
+    The base commit is the one a fresh repository of the pristine tree gets
+    (``init_base`` is deterministic), so this is the round trip onto a fresh
+    tree, without copying and hashing the release's files once more.
+    """
+    git(repo, "checkout", "--quiet", "--detach", BASE_REF)
     if mails:
         git(repo, "am", "--quiet", "--keep", "--keep-cr", input=b"".join(mails))
-    return git_text(repo, "rev-parse", "HEAD^{tree}").strip()
+    tree = git_text(repo, "rev-parse", "HEAD^{tree}").strip()
+    git(repo, "checkout", "--quiet", "stack")
+    return tree
 
 
 def export(
@@ -156,7 +163,7 @@ def export(
         )
         repo = Path(tmp) / "stack"
         if next_release:
-            _, unresolved = derive.build_derived(stack, repo, trailers=False)
+            _, unresolved = derive.build_derived(stack, repo, trailers=False, link=True)
             if unresolved:
                 raise WorkbenchError(
                     f"the stack does not derive onto vLLM {upstream.NEXT_RELEASE} "
@@ -164,7 +171,8 @@ def export(
                     + "\n".join(unresolved)
                 )
         else:
-            build_repo(stack, repo, source=source, trailers=False, link=True)
+            # Only GNU patch, format-patch and am touch its work tree.
+            build_repo(stack, repo, source=source, trailers=False, sparse=True)
         mails = [authored_by(mail, identity) for mail in format_patches(repo)]
         if len(mails) != len(stack.entries):
             raise WorkbenchError(
@@ -172,7 +180,7 @@ def export(
                 f"{len(stack.entries)} entries"
             )
         expected_tree = git_text(repo, "rev-parse", "HEAD^{tree}").strip()
-        actual_tree = am_onto_base(mails, source, Path(tmp))
+        actual_tree = am_onto_base(repo, mails)
         if actual_tree != expected_tree:
             raise WorkbenchError(
                 f"git am of the export gives tree {actual_tree}, the stack gives "

@@ -13,6 +13,7 @@ run is printed.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,12 +65,28 @@ yaml.safe_dump(derived, open(dest, "w"), sort_keys=False)
 """
 
 
+def own_inodes(tree: Path, files: list[str]) -> None:
+    """Give each of ``files`` (relative to ``tree``) an inode of its own.
+
+    A hook may fix a file in place (check-spdx-header rewrites a header), and
+    ``tree`` may be hard-linked to the pristine release (``check``'s is): the
+    fix must not reach the release's copy.
+    """
+    for name in files:
+        path = tree / name
+        if path.stat().st_nlink > 1:
+            own = path.with_name(f".{path.name}.own")
+            shutil.copy2(path, own)
+            own.replace(path)
+
+
 def run_upstream_hooks(tree: Path, files: list[str]) -> list[str]:
     """Run the hooks on ``files`` (relative to ``tree``); return failures."""
     files = [f for f in files if (tree / f).is_file()]
     if not files:
         print("lint: no files to check")
         return []
+    own_inodes(tree, files)
     python = tools_python()
     derived = tree.parent / f".{tree.name}-pre-commit.yaml"
     subprocess.run(

@@ -8,9 +8,11 @@ fixed identity and date, so the same stack always gives the same hashes.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 from workbench import upstream
@@ -24,7 +26,7 @@ from workbench.gitutil import (
     run_patch,
     with_trailer,
 )
-from workbench.stack import Entry, Stack, split_patch
+from workbench.stack import Entry, Stack, patch_files, split_patch
 
 MATERIALIZED_REF = "refs/kvlc/materialized"
 
@@ -36,26 +38,92 @@ def base_message(source: Path) -> str:
     )
 
 
-def init_base(repo: Path, source: Path, *, link: bool = False) -> str:
+def init_base(
+    repo: Path,
+    source: Path,
+    *,
+    link: bool = False,
+    only: Collection[str] | None = None,
+) -> str:
     """Create ``repo`` holding a copy of ``source`` as its base commit.
 
     ``link``: hard-link the files instead of copying them, for a throwaway
     repository nobody edits (``export``'s): GNU patch and git replace a file
     they change instead of writing into it, so ``source`` stays as it was,
-    but an editor may write into a linked file."""
-    copy_tree(source, repo, link=link)
+    but an editor may write into a linked file.
+
+    ``only``: put just these paths in the work tree (a sparse checkout; the
+    index and the commits hold the whole tree), for a throwaway repository
+    where only GNU patch and git read or write files, and only these. The
+    base is then staged from ``source`` where it is, with no copy or link of
+    its ~7,700 files and, for a pristine tree, no hashing of them either
+    (``_stage_in_place``)."""
+    if only is None:
+        copy_tree(source, repo, link=link)
+    else:
+        repo.mkdir(parents=True)
     git(repo, "init", "--quiet", "--initial-branch=stack")
     seeded = seed_objects(repo, source)
     # Edits made here are PR messages in markdown: keep '#' lines.
     git(repo, "config", "commit.cleanup", "whitespace")
-    # -f: the sdist ships .gitignore files that would hide some of its own files.
-    git(repo, "add", "--all", "--force")
+    if only is None:
+        # -f: the sdist ships .gitignore files that would hide some of its
+        # own files.
+        git(repo, "add", "--all", "--force")
+    else:
+        _stage_in_place(repo, source, seeded)
     base = commit_tree(repo, base_message(source), None)
     git(repo, "update-ref", BASE_REF, base)
     git(repo, "update-ref", "refs/heads/stack", base)
+    if only is not None:
+        _check_out_only(repo, only)
     if not seeded:
         remember_objects(repo, source)
     return base
+
+
+def _stage_in_place(repo: Path, source: Path, seeded: bool) -> None:
+    """Stage every file of ``source`` in ``repo``'s index, ``source`` being
+    the work tree for this once.
+
+    A pristine tree's index is kept beside its objects (``seed_objects``):
+    from it git only compares each file's stat with what it recorded, as in
+    any work tree, and hashes the files that differ. ctime is left out of
+    that comparison: linking the tree's files elsewhere (``link``) changes
+    it, while an edit changes the mtime too. The kept index is replaced only
+    by one whose every blob is in the kept pack (no loose object written),
+    so the pair always agrees."""
+    index = repo / ".git" / "index"
+    kept = _index_cache(source) if seeded else None
+    if kept is not None and kept.is_file():
+        shutil.copyfile(kept, index)
+    stage = ("--work-tree", str(source), "add", "--all", "--force")
+    git(repo, "-c", "core.trustctime=false", *stage)
+    if kept is None or (kept.is_file() and kept.read_bytes() == index.read_bytes()):
+        return
+    loose = git_text(repo, "count-objects").split(" ", 1)[0]
+    if loose == "0":
+        staging = kept.with_name(f".{kept.name}-{os.getpid()}")
+        shutil.copyfile(index, staging)
+        staging.replace(kept)
+
+
+def _check_out_only(repo: Path, paths: Collection[str]) -> None:
+    """Make ``repo`` a sparse checkout of ``paths`` (git's classic sparse
+    checkout, which every git has) and write those of them that exist."""
+    # One anchored gitignore pattern per path, its wildcards escaped.
+    patterns = "".join(
+        "/" + re.sub(r"([\\*?\[])", r"\\\1", p) + "\n" for p in sorted(paths)
+    )
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    (repo / ".git" / "info" / "sparse-checkout").write_text(patterns)
+    git(repo, "config", "core.sparseCheckout", "true")
+    git(repo, "reset", "--quiet", "--hard")
+
+
+def stack_paths(stack: Stack) -> set[str]:
+    """Every path an entry of ``stack`` adds or patches."""
+    return {p for e in stack.entries for p in (*e.owned, *patch_files(e.patch))}
 
 
 def copy_tree(source: Path, dest: Path, *, link: bool = False) -> None:
@@ -68,6 +136,13 @@ def copy_tree(source: Path, dest: Path, *, link: bool = False) -> None:
     )
     if result.returncode != 0:
         raise WorkbenchError(f"copying {source} to {dest}: {result.stderr.strip()}")
+
+
+def _index_cache(source: Path) -> Path | None:
+    """Where the index of ``source``'s files is kept (``_stage_in_place``):
+    beside the pack of its objects."""
+    kept = _objects_cache(source)
+    return None if kept is None else kept.with_name(f"{kept.name}.index")
 
 
 def _objects_cache(source: Path) -> Path | None:
@@ -167,11 +242,14 @@ def build_repo(
     source: Path | None = None,
     trailers: bool = True,
     link: bool = False,
+    sparse: bool = False,
 ) -> str:
     """Create ``repo`` (must not exist): base commit, then one commit per
-    entry. ``link``: as for ``init_base``."""
+    entry. ``link``: as for ``init_base``; ``sparse``: its work tree holds
+    only the files the stack adds or patches (``init_base``'s ``only``)."""
     source = source or upstream.pristine_tree()
-    head = init_base(repo, source, link=link)
+    only = stack_paths(stack) if sparse else None
+    head = init_base(repo, source, link=link, only=only)
     for entry in stack.entries:
         head = apply_entry(repo, stack, entry, head, trailers)
         print(f"  applied {entry.name}")

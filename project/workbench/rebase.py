@@ -152,7 +152,10 @@ def commit_whole_tree(repo: Path, tree: Path, message: str) -> str:
     """Commit every file under ``tree``, and nothing else, as a parentless
     commit in ``repo`` (a release to carry the stack onto)."""
     git(repo, "read-tree", "--empty")
-    git(repo, "--work-tree", str(tree), "add", "--all", "--force")
+    # All of ``tree``, also where ``repo`` is a sparse checkout (build_repo's
+    # ``sparse``), whose git would leave out what its work tree does not hold.
+    stage = ("--work-tree", str(tree), "add", "--all", "--force")
+    git(repo, "-c", "core.sparseCheckout=false", *stage)
     return commit_tree(repo, message, None)
 
 
@@ -203,7 +206,9 @@ def _applies(repo: Path, head: str, entry_commit: str) -> bool:
 def assess(stack: Stack, target: Target, scratch: Path) -> list[EntryDrift]:
     """Classify each entry of ``stack`` on ``target`` (see the module docstring)."""
     repo = scratch / "stack"
-    build_repo(stack, repo, trailers=False)
+    # After GNU patch only git's index and objects change here, never the
+    # work tree: it need hold only the files the stack patches.
+    build_repo(stack, repo, trailers=False, sparse=True)
     commits = git_text(repo, "rev-list", "--reverse", f"{BASE_REF}..HEAD").split()
     head = commit_whole_tree(repo, target.tree, f"upstream: {target.label}\n")
     drifts = []

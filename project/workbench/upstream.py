@@ -17,8 +17,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +115,11 @@ def index_url() -> str:
 
 def _file_url(artifact: Artifact) -> str:
     """The download URL of ``artifact`` from the index's project page (PEP 691/503)."""
+    # Here, not at the top: http.client and email are a fifth of every wb
+    # command's start, and only a download needs them.
+    import urllib.parse
+    import urllib.request
+
     url = f"{index_url().rstrip('/')}/{artifact.project}/"
     accept = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
     request = urllib.request.Request(url, headers={"Accept": accept})
@@ -146,6 +149,8 @@ def fetch(artifact: Artifact) -> Path:
     if target.exists():
         verify(target, artifact.sha256)
         return target
+    import urllib.request  # as in _file_url
+
     target.parent.mkdir(parents=True, exist_ok=True)
     url = _file_url(artifact)
     print(f"downloading {artifact.filename}", file=sys.stderr)
