@@ -67,6 +67,14 @@ def _driver(mode: str, model: Path) -> tuple[dict[str, Any], str]:
     # The engine processes import lmcache_hma_adapters.py by module name.
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0", PYTHONPATH=path)
+    # The engine's worker in a process of its own, as vLLM's CPU platform
+    # starts it (conftest.py puts it in the caller's): there it rebinds
+    # Triton kernels before anything imports lmcache, while in the driver's
+    # process, where VllmConfig's HMA decision imported LMCache's adapter,
+    # the rebinding's walk over every loaded module fails on one of
+    # lmcache's ("'_lib_fn_wrapper' object has no attribute 'get'", vLLM
+    # 0.32.0's triton_utils/dispatcher.py).
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     proc = subprocess.run(
         [str(PYTHON), str(HERE / "lmcache_hma_driver.py"), mode, str(model)],
         env=env,
