@@ -376,32 +376,36 @@ def test_run_shares_every_job_among_the_lanes_and_reports_them_after(
     assert not (tmp_path / lanes.TIMES).exists()
 
 
+def stand_in_steps(tmp_path: Path, monkeypatch, lanes: int) -> None:
+    """``./wb test`` on a tree of one test file, every environment made and
+    every step passing at once; a test replaces the one it breaks."""
+    python = Path(sys.executable)
+    verdict = testrun.Verdict("step", 1, 0, "1 passed")
+    (tmp_path / "project" / "tests").mkdir(parents=True)
+    (tmp_path / "project" / "tests" / "test_a.py").write_text("")
+    monkeypatch.setenv(testrun.LANES_VAR, str(lanes))
+    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
+    monkeypatch.setattr(testrun.devenv, "ensure", lambda root: python)
+    monkeypatch.setattr(testrun.devenv, "is_current", lambda root: False)
+    monkeypatch.setattr(testrun, "tools_python", lambda: python)
+    monkeypatch.setattr(testrun, "workbench_test_python", lambda root: python)
+    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
+    for step in ("_hooks", "_upstream_tests", "_release_tests", "_project_tests"):
+        monkeypatch.setattr(testrun, step, lambda *args, **kw: verdict)
+
+
+def no_index(root: Path) -> Path:
+    raise RuntimeError("no index")
+
+
 @pytest.mark.timeout(120)
 def test_a_failed_environment_leaves_no_lane_waiting(tmp_path: Path, monkeypatch):
     """If an environment of the end-to-end tests cannot be made, ``./wb
     test`` stops with that error instead of waiting forever in the lanes
     whose jobs need it."""
-    python = Path(sys.executable)
-    verdict = testrun.Verdict("step", 1, 0, "1 passed")
-
-    def unpatched(root):
-        raise RuntimeError("no index")
-
-    (tmp_path / "project" / "tests").mkdir(parents=True)
-    (tmp_path / "project" / "tests" / "test_a.py").write_text("")
-    monkeypatch.setenv(testrun.LANES_VAR, "3")
-    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
-    monkeypatch.setattr(testrun.devenv, "ensure", lambda root: python)
-    monkeypatch.setattr(testrun.devenv, "ensure_unpatched", unpatched)
+    stand_in_steps(tmp_path, monkeypatch, lanes=3)
+    monkeypatch.setattr(testrun.devenv, "ensure_unpatched", no_index)
     monkeypatch.setattr(testrun, "_envs_ready", lambda root: False)
-    monkeypatch.setattr(testrun, "tools_python", lambda: python)
-    monkeypatch.setattr(testrun, "workbench_test_python", lambda root: python)
-    monkeypatch.setattr(testrun.devenv, "is_current", lambda root: False)
-    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
-    monkeypatch.setattr(testrun, "_hooks", lambda root, tools, out: verdict)
-    monkeypatch.setattr(testrun, "_upstream_tests", lambda *args, **kw: verdict)
-    monkeypatch.setattr(testrun, "_release_tests", lambda *args, **kw: verdict)
-    monkeypatch.setattr(testrun, "_project_tests", lambda *args, **kw: verdict)
     with pytest.raises(RuntimeError, match="no index"):
         testrun.run(tmp_path, [])
 
@@ -410,25 +414,10 @@ def test_a_failed_environment_leaves_no_lane_waiting(tmp_path: Path, monkeypatch
 def test_a_venv_that_cannot_be_made_stops_the_lanes(tmp_path: Path, monkeypatch):
     """The lanes that wait for .venv get its error instead of waiting
     forever; ``./wb test`` stops with it."""
-    python = Path(sys.executable)
-    verdict = testrun.Verdict("step", 1, 0, "1 passed")
-
-    def no_venv(root):
-        raise RuntimeError("no index")
-
-    (tmp_path / "project" / "tests").mkdir(parents=True)
-    (tmp_path / "project" / "tests" / "test_a.py").write_text("")
-    monkeypatch.setenv(testrun.LANES_VAR, "2")
-    monkeypatch.setattr(testrun.syspkgs, "ensure", lambda root: True)
-    monkeypatch.setattr(testrun.devenv, "ensure", no_venv)
-    monkeypatch.setattr(testrun.devenv, "is_current", lambda root: False)
+    stand_in_steps(tmp_path, monkeypatch, lanes=2)
+    monkeypatch.setattr(testrun.devenv, "ensure", no_index)
     monkeypatch.setattr(testrun, "_envs_ready", lambda root: True)
     monkeypatch.setattr(testrun, "_side_envs", lambda root, times: {})
-    monkeypatch.setattr(testrun, "tools_python", lambda: python)
-    monkeypatch.setattr(testrun, "workbench_test_python", lambda root: python)
-    monkeypatch.setattr(testrun.upstream, "pristine_tree", lambda: tmp_path)
-    for step in ("_hooks", "_upstream_tests", "_release_tests", "_project_tests"):
-        monkeypatch.setattr(testrun, step, lambda *args, **kw: verdict)
     with pytest.raises(RuntimeError, match="no index"):
         testrun.run(tmp_path, [])
 
