@@ -130,6 +130,7 @@ def test_a_side_environment_is_made_once_per_inputs_and_shared_by_clones(
     monkeypatch.setenv("KVLC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(devenv, "pip_install", pip_install)
     monkeypatch.setattr(devenv, "_run", lambda cmd, what: None)
+
     def create(env_dir: Path, **kwargs: object) -> None:
         assert kwargs["clear"]  # what the last inputs left goes
         shutil.rmtree(env_dir, ignore_errors=True)
@@ -151,3 +152,55 @@ def test_a_side_environment_is_made_once_per_inputs_and_shared_by_clones(
     devenv._side_env(second, "venv-side", "inputs 2", ["pkg==2"], "pkg")
     assert made == [["pkg==1"], ["pkg==2"]]
     assert (first / "build" / "venv-side" / "installed").read_text() == "pkg==2"
+
+
+def test_a_stack_change_reinstalls_the_patched_vllm_alone_in_lmcaches_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """LMCache's environment holds the patched vLLM: a new stack reinstalls
+    vLLM over it without dependencies (the release wheel's, pinned by hash);
+    new inputs of the environment itself (the constraints) make it again."""
+    calls: list[str] = []
+    stack = ["stack 1"]
+
+    def pip_install(python, packages, what, log, env=None):
+        calls.append("pip " + " ".join(packages))
+
+    def create(env_dir: Path, **kwargs: object) -> None:
+        calls.append("create")
+        shutil.rmtree(env_dir, ignore_errors=True)
+        (env_dir / "bin").mkdir(parents=True)
+
+    monkeypatch.setenv("KVLC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(devenv, "pip_install", pip_install)
+    monkeypatch.setattr(devenv, "_run", lambda cmd, what: None)
+    monkeypatch.setattr(devenv, "share_files", lambda env_dir, root: None)
+    monkeypatch.setattr(devenv.venv, "create", create)
+    monkeypatch.setattr(devenv, "_stack_digest", lambda root: stack[0])
+    root = tmp_path / "clone"
+    (root / devenv.LMCACHE_CONSTRAINTS).parent.mkdir(parents=True)
+    (root / devenv.LMCACHE_CONSTRAINTS).write_text("numpy<2\n")
+
+    env = tmp_path / "cache" / devenv.LMCACHE_ENV
+
+    def ready() -> bool:
+        return devenv._side_env_ready(env, devenv._lmcache_state(root), stack[0])
+
+    devenv.ensure_lmcache(root)
+    assert calls[0] == "create" and devenv.LMCACHE in calls[1]
+    assert ready()
+    calls.clear()
+    devenv.ensure_lmcache(root)
+    assert calls == []
+
+    stack[0] = "stack 2"
+    assert not ready()
+    devenv.ensure_lmcache(root)
+    assert calls == [f"pip --no-deps --force-reinstall {root}"]
+    calls.clear()
+    devenv.ensure_lmcache(root)
+    assert calls == []
+
+    (root / devenv.LMCACHE_CONSTRAINTS).write_text("numpy<2\nprotobuf<5\n")
+    devenv.ensure_lmcache(root)
+    assert calls[0] == "create" and devenv.LMCACHE in calls[1]

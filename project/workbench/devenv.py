@@ -267,7 +267,12 @@ _CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def _side_env(
-    root: Path, name: str, state: str, packages: list[str], what: str
+    root: Path,
+    name: str,
+    state: str,
+    packages: list[str],
+    what: str,
+    patched_vllm: bool = False,
 ) -> Path:
     """Return the python of the side environment ``name`` holding
     ``packages``, made afresh unless it was last made for the same ``state``.
@@ -276,6 +281,11 @@ def _side_env(
     a clean clone's ``./wb test`` does not make it again while ``state`` (its
     inputs) is unchanged; ``build/<name>`` links to it. Its making is locked:
     two makers wait for each other instead of clearing each other's.
+
+    With ``patched_vllm`` (``packages`` then include ``root``), a change of
+    the stack alone reinstalls the patched vLLM over the environment, without
+    its dependencies: they are the release wheel's, pinned by its hash, so
+    ``state`` must name that hash.
     """
     env_dir = upstream.cache_dir() / name
     env_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -283,25 +293,45 @@ def _side_env(
     with (env_dir.parent / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _link(link, env_dir)
-        marker = env_dir / "kvlc-state"
-        if _side_env_ready(env_dir, state):
+        python = env_dir / "bin" / "python"
+        stack = _stack_digest(root) if patched_vllm else None
+        if _side_env_ready(env_dir, state, stack):
             print(f"{link}: {what} is up to date")
             return link / "bin" / "python"
-        print(f"creating {env_dir} with {what}")
-        venv.create(env_dir, with_pip=True, clear=True)
-        python = env_dir / "bin" / "python"
-        pip = [str(python), "-m", "pip"]
-        pip_install(python, packages, f"installing {what}", env_dir / "kvlc-pip.log")
-        _run([*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling")
+        if _side_env_ready(env_dir, state):
+            assert stack is not None
+            print(f"{env_dir}: the stack changed; reinstalling the patched vLLM")
+            pip_install(
+                python,
+                ["--no-deps", "--force-reinstall", str(root)],
+                "installing the patched vLLM alone",
+                env_dir / "kvlc-pip-vllm.log",
+            )
+        else:
+            print(f"creating {env_dir} with {what}")
+            venv.create(env_dir, with_pip=True, clear=True)
+            pip = [str(python), "-m", "pip"]
+            pip_install(
+                python, packages, f"installing {what}", env_dir / "kvlc-pip.log"
+            )
+            _run(
+                [*pip, "uninstall", "--quiet", "-y", *_CUDA_ONLY_EXTRAS], "uninstalling"
+            )
         _run([str(python), "-c", "import vllm"], f"importing vllm with {what}")
         share_files(env_dir, root)
-        marker.write_text(state)
+        (env_dir / "kvlc-state").write_text(state)
+        if stack is not None:
+            (env_dir / "kvlc-stack").write_text(stack)
     return link / "bin" / "python"
 
 
-def _side_env_ready(env_dir: Path, state: str) -> bool:
-    marker = env_dir / "kvlc-state"
-    return marker.is_file() and marker.read_text() == state
+def _side_env_ready(env_dir: Path, state: str, stack: str | None = None) -> bool:
+    """Whether the environment was made for ``state`` and, when ``stack`` is
+    given, holds the patched vLLM of that stack digest."""
+    marker, stamp = env_dir / "kvlc-state", env_dir / "kvlc-stack"
+    if not (marker.is_file() and marker.read_text() == state):
+        return False
+    return stack is None or (stamp.is_file() and stamp.read_text() == stack)
 
 
 def _link(link: Path, target: Path) -> None:
@@ -346,14 +376,14 @@ LMCACHE_CONSTRAINTS = "project/constraints-lmcache.txt"
 
 def _lmcache_state(root: Path) -> str:
     constraints = (root / LMCACHE_CONSTRAINTS).read_text()
-    return f"{LMCACHE}\n{constraints}\n{_stack_digest(root)}"
+    return f"{LMCACHE}\n{constraints}\n{upstream.CPU_WHEEL.sha256}"
 
 
 def ensure_lmcache(root: Path) -> Path:
     """Return the python of ``build/venv-lmcache``: the patched vLLM and the
     real ``lmcache``, apart from ``.venv`` because ``lmcache`` downgrades
-    numpy, protobuf, opentelemetry and grpcio. Redone when the stack or the
-    constraints changed.
+    numpy, protobuf, opentelemetry and grpcio. Made again when the
+    constraints changed; a change of the stack reinstalls vLLM alone.
     """
     return _side_env(
         root,
@@ -361,6 +391,7 @@ def ensure_lmcache(root: Path) -> Path:
         _lmcache_state(root),
         [str(root), LMCACHE, "-c", str(root / LMCACHE_CONSTRAINTS)],
         f"the patched vLLM and {LMCACHE}",
+        patched_vllm=True,
     )
 
 
@@ -369,5 +400,5 @@ def side_envs_ready(root: Path) -> bool:
     inputs (``./wb test`` plans its lanes by it)."""
     cache = upstream.cache_dir()
     return _side_env_ready(cache / UNPATCHED, _unpatched_state(root)) and (
-        _side_env_ready(cache / LMCACHE_ENV, _lmcache_state(root))
+        _side_env_ready(cache / LMCACHE_ENV, _lmcache_state(root), _stack_digest(root))
     )
