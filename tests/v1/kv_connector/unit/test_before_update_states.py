@@ -195,6 +195,27 @@ def test_mock_connector_is_not_a_hook_user(monkeypatch: pytest.MonkeyPatch):
     assert not external_hits.uses_worker_external_hits(connector)
 
 
+def test_v1_runner_decides_once_per_connector(monkeypatch: pytest.MonkeyPatch):
+    """A connector without the hook costs V1's step one identity check: the
+    runner decides when it first sees the connector, not at every step."""
+    _single_rank(monkeypatch)
+    connector = _make_connector("MockKVConnector")
+    mixin = "vllm.v1.worker.kv_connector_model_runner_mixin"
+    monkeypatch.setattr(f"{mixin}.get_kv_transfer_group", lambda: connector)
+    decided: list[Any] = []
+
+    def uses_worker_external_hits(c: Any) -> bool:
+        decided.append(c)
+        return external_hits.uses_worker_external_hits(c)
+
+    monkeypatch.setattr(f"{mixin}.uses_worker_external_hits", uses_worker_external_hits)
+    runner = KVConnectorModelRunnerMixin()
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+    for _ in range(3):
+        assert runner.apply_kv_connector_external_hits(so) is so
+    assert decided == [connector]
+
+
 def test_connector_learns_the_applied_hits(monkeypatch: pytest.MonkeyPatch):
     """on_external_hits_applied() gets what was applied, after clamping: not
     what the hook reported."""

@@ -283,6 +283,38 @@ def test_v2_runner_applies_hits_before_update_states():
     assert seen == [applied]
 
 
+def test_v2_runner_without_a_hits_connector_skips_the_hook(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Without a connector that reports hits (none, or one without
+    before_update_states()), V2's step reads one boolean set when the
+    connector was built and calls nothing."""
+    _single_rank(monkeypatch)
+    legacy = _active_kv_connector(monkeypatch, _make_connector("MockKVConnector"))
+    assert not v2_kv_connector.KVConnector().applies_external_hits
+    assert not legacy.applies_external_hits
+    hits = _make_connector("HitsConnector", hits={})
+    assert _active_kv_connector(monkeypatch, hits).applies_external_hits
+
+    seen: list[SchedulerOutput] = []
+
+    def finish_requests(so: SchedulerOutput) -> None:
+        seen.append(so)
+        raise _StateUpdateReached
+
+    runner = MagicMock(finish_requests=finish_requests)
+    runner.kv_connector = MagicMock(
+        spec=v2_kv_connector.KVConnector, applies_external_hits=False
+    )
+    so = _scheduler_output(new=[("a", 100, 0, 100)])
+
+    with pytest.raises(_StateUpdateReached):
+        V2ModelRunner.execute_model(runner, so)
+
+    runner.kv_connector.before_update_states.assert_not_called()
+    assert seen == [so]
+
+
 class _InFlightPool:
     """Stands in for a UvaBufferPool: max_concurrency staging buffers taken
     round robin. With async scheduling that many steps are in flight at
