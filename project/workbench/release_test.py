@@ -71,6 +71,7 @@ BASELINE = (
 # configuration, and the connector/scheduler interplay it touches.
 SELECTION = (
     "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_deferred_block_free.py",
     "tests/v1/kv_connector/unit/test_multi_connector.py",
     "tests/v1/kv_connector/unit/test_lmcache_connector.py",
     "tests/v1/kv_connector/unit/test_hma_auto_config.py",
@@ -83,9 +84,13 @@ SELECTION = (
 )
 # CI's subset (--fast): with the stack's own tests and the upstream tests it
 # edits (which --stack-tree adds), upstream's tests of the connector every
-# entry changes; SELECTION's others, the scheduler's above all, run on the
-# pinned release in CI and here in full.
-FAST_SELECTION = ("tests/v1/kv_connector/unit/test_multi_connector.py",)
+# entry changes and of the deferred loads only this release has, which the
+# lifecycle's delta changes; SELECTION's others, the scheduler's above all,
+# run on the pinned release in CI and here in full.
+FAST_SELECTION = (
+    "tests/v1/kv_connector/unit/test_multi_connector.py",
+    "tests/v1/core/test_deferred_block_free.py",
+)
 # A module the stack changes imports on the release (checked before the tests).
 _IMPORT_CHECK = """
 import importlib, sys

@@ -298,9 +298,9 @@ def _functions_called(step: Any) -> set[str]:
 def test_steps_without_a_lifecycle_connector_call_no_lifecycle_code(
     with_connector: bool,
 ):
-    # With no connector, or one that does not use the lifecycle, a step runs
-    # Scheduler.schedule() itself (no wrapper frame) and nothing of the
-    # lifecycle but the forwarding of the legacy calls.
+    # With no connector a step runs nothing of the lifecycle; with one that
+    # does not use it, only the forwarding of the two legacy calls and an
+    # empty end_pass().
     vllm_config = _mock_connector_config(matched_tokens=BLOCK_SIZE)
     if not with_connector:
         vllm_config.kv_transfer_config = None

@@ -20,23 +20,18 @@ lifecycle existed, with no match objects created.
 ExternalMatchLifecycle is the scheduler's side of the contract: it keeps the
 matches prepared in the current scheduling pass and aborts those still open
 when the pass ends, whichever way the request left the pass, including an
-exception (abort_open_matches_on_error).
+exception (Scheduler.schedule() calls abort_open()).
 ExternalMatchChecker checks the contract at runtime for connector authors
 (VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1).
+
+This module does not import base.py (base.py imports it): what needs
+KVConnectorBase_V1 itself lives there.
 """
 
 import dataclasses
-import functools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Generic,
-    NoReturn,
-    Protocol,
-    TypeVar,
-)
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
 import vllm.envs as envs
 
@@ -86,57 +81,12 @@ class ExternalMatchLifecycleError(RuntimeError):
     """A guarantee of the external match lifecycle was broken."""
 
 
-def overrides_lifecycle(cls: type) -> bool:
-    """Whether ``cls`` (a KVConnectorBase_V1 subclass) overrides any of
-    prepare/commit/abort_external_match(): the default of
-    KVConnectorBase_V1.uses_external_match_lifecycle."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        overrides_connector_method,
-    )
-
-    return any(overrides_connector_method(cls, name) for name in LIFECYCLE_METHODS)
-
-
 def uses_lifecycle(connector: object) -> bool:
     """Whether the scheduler (or a MultiConnector) drives ``connector``
-    through the lifecycle: a KVConnectorBase_V1 whose
-    uses_external_match_lifecycle is True. Anything else, including a Mock
-    configured through the legacy methods, gets the legacy pair."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    return (
-        isinstance(connector, KVConnectorBase_V1)
-        and connector.uses_external_match_lifecycle is True
-    )
-
-
-def check_match_api(cls: type) -> None:
-    """Raise TypeError unless ``cls`` implements a way to look up and a way to
-    commit a match: prepare_external_match() or get_num_new_matched_tokens(),
-    and commit_external_match() or update_state_after_alloc(). Called when a
-    connector is constructed, so a connector implementing neither pair fails
-    at startup rather than at its first request."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        overrides_connector_method,
-    )
-
-    missing = [
-        f"{new}() or {legacy}()"
-        for new, legacy in (
-            ("prepare_external_match", "get_num_new_matched_tokens"),
-            ("commit_external_match", "update_state_after_alloc"),
-        )
-        if not overrides_connector_method(cls, new)
-        and not overrides_connector_method(cls, legacy)
-    ]
-    if missing:
-        raise TypeError(
-            f"{cls.__qualname__} implements neither {' nor '.join(missing)}. "
-            "Implement prepare_external_match() and commit_external_match() "
-            "(and abort_external_match() if prepare reserves anything), or "
-            "the legacy get_num_new_matched_tokens() and "
-            "update_state_after_alloc()."
-        )
+    through the lifecycle: its uses_external_match_lifecycle is True.
+    Anything else, including a Mock configured through the legacy methods
+    (whose attribute is a Mock, not True), gets the legacy pair."""
+    return getattr(connector, "uses_external_match_lifecycle", False) is True
 
 
 class ExternalMatchCalls:
@@ -197,41 +147,9 @@ class ExternalMatchCalls:
         ``new_reqs`` and ``resumed_reqs``. Nothing to release here."""
         return
 
-
-class _MatchingScheduler(Protocol):
-    @property
-    def external_matches(self) -> ExternalMatchCalls: ...
-
-    @property
-    def connector(self) -> "KVConnectorBase_V1 | None": ...
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-def abort_open_matches_on_error(scheduler: _MatchingScheduler) -> None:
-    """Called once by Scheduler.__init__, after it chose external_matches.
-
-    For a connector that uses the lifecycle, wraps this scheduler's
-    schedule() so that if it raises, the matches its pass prepared and did
-    not commit are aborted before the exception propagates (the pass never
-    reaches end_pass()). Other schedulers keep their plain schedule(): no
-    wrapper frame in a step without a lifecycle connector.
-    """
-    matches = scheduler.external_matches
-    if not isinstance(matches, ExternalMatchLifecycle):
+    def abort_open(self, connector: "KVConnectorBase_V1 | None") -> None:
+        """Scheduler.schedule() raised; nothing to release here."""
         return
-    schedule = scheduler.schedule
-
-    @functools.wraps(schedule)
-    def schedule_and_abort_on_error(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return schedule(*args, **kwargs)
-        except BaseException:
-            matches.abort_open(scheduler.connector)
-            raise
-
-    # An instance attribute, so only this scheduler pays for the wrapper.
-    vars(scheduler)["schedule"] = schedule_and_abort_on_error
 
 
 class ExternalMatchLifecycle(ExternalMatchCalls):
