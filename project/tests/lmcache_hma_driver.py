@@ -27,12 +27,6 @@ Run with the python of build/venv-lmcache (``./wb venv --lmcache``):
     starts an engine with the connector of lmcache_hma_adapters.py (LMCache's
     adapter declaring the full attention group alone) and prints
     ``RESULT {...}``: whether the engine started, and the error it raised.
-
-``python lmcache_hma_driver.py serve MODEL_DIR``
-    starts an engine on MODEL_DIR with ``LMCacheConnectorV1`` and the
-    unmodified adapter, generates once and prints ``RESULT {...}``: the hybrid
-    KV cache manager decision, the model's layer types and the generated token
-    ids (the warnings are in the engine's log).
 """
 
 from __future__ import annotations
@@ -247,34 +241,6 @@ def decide(model: str) -> dict[str, Any]:
     }
 
 
-def serve(model: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(
-        model=model,
-        max_model_len=1024,
-        block_size=BLOCK_SIZE,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheConnectorV1", kv_role="kv_both"
-        ),
-        # On CPU the share of host memory the engine reserves; the model is tiny.
-        gpu_memory_utilization=0.1,
-    )
-    vllm_config = llm.llm_engine.vllm_config
-    [output] = llm.generate(
-        ["The quick brown fox jumps over the lazy dog."],
-        SamplingParams(temperature=0.0, max_tokens=8),
-    )
-    return {
-        "layer_types": getattr(vllm_config.model_config.hf_config, "layer_types", None),
-        "disable_hybrid_kv_cache_manager": (
-            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-        ),
-        "token_ids": list(output.outputs[0].token_ids),
-    }
-
-
 def repeat(model: str) -> dict[str, Any]:
     # LMCache's in-process engine reads its configuration from the
     # environment when the adapter is built: a CPU backend, chunks of one
@@ -298,6 +264,8 @@ def repeat(model: str) -> dict[str, Any]:
             kv_connector="LMCacheConnectorV1", kv_role="kv_both"
         ),
         gpu_memory_utilization=0.1,
+        # The subject is the connector's HMA decision, not the compiled path.
+        enforce_eager=True,
     )
     vllm_config = llm.llm_engine.vllm_config
     # Four full blocks and a partial one: past the sliding window (128
@@ -337,6 +305,7 @@ def refused(model: str) -> dict[str, Any]:
                 kv_role="kv_both",
             ),
             gpu_memory_utilization=0.1,
+            enforce_eager=True,
         )
     except Exception as e:  # noqa: BLE001 - reported to the test
         return {"started": False, "error": f"{type(e).__name__}: {e}"}
@@ -350,7 +319,6 @@ def main() -> None:
         "decide": decide,
         "repeat": repeat,
         "refused": refused,
-        "serve": serve,
     }
     result = modes[mode](model)
     print("RESULT " + json.dumps(result), flush=True)

@@ -67,7 +67,7 @@ def start(
     kv: dict[str, str] = KV,
 ):
     port = serve_demo.free_port()
-    command = serve_demo.server_command(model, port, kv)
+    command = serve_demo.server_command(model, port, kv, eager=True)
     env = serve_demo.server_env()
     # The test-only connector subclass lives beside this file.
     env["PYTHONPATH"] = os.pathsep.join(

@@ -8,7 +8,7 @@ handles one KV cache group and declares no groups):
 
 * today's users are not broken: VllmConfig turns the hybrid KV cache manager
   off for it with vLLM's warning plus the line naming what keeps it on, and
-  nothing raises; an engine serves the demo Llama;
+  nothing raises (an engine serves with it: the end-to-end point below);
 * VllmConfig decides without importing ``lmcache`` (a fresh process:
   ``lmcache`` is not in ``sys.modules`` afterwards);
 * the connector is built on it for one group, reports group 0 restored and
@@ -184,14 +184,6 @@ def test_hybrid_config_refuses_the_adapter_leaving_out_sliding_window(
     assert "--disable-hybrid-kv-cache-manager" in case["error"]
     assert case["adapters_built"] == 1
     assert case["finished_block_ids"] == []
-
-
-def test_engine_serves_with_real_adapter(model: Path) -> None:
-    served, log = _driver("serve", model)
-    assert served["disable_hybrid_kv_cache_manager"] is True
-    assert TURNED_OFF in log
-    assert DECLARES_NONE in log
-    assert len(served["token_ids"]) == 8
 
 
 def test_hybrid_model_serves_with_released_lmcache(hybrid_model: Path) -> None:

@@ -116,7 +116,7 @@ def test_lmcache_mp_repeat_hits_with_same_tokens(
     model = serve_demo.make_model(tmp_path / "model")
     port = serve_demo.free_port()
     kv_config = lmcache_config(lmcache_port, serve_demo.free_port())
-    command = serve_demo.server_command(model, port, kv_config)
+    command = serve_demo.server_command(model, port, kv_config, eager=True)
     # The flags of the demo's server, the vLLM of the LMCache environment.
     command = [str(VLLM), "serve", str(model), *command[command.index("--host") :]]
     server = serve_demo.Server(command, serve_demo.server_env(), tmp_path / "s.log")

@@ -102,7 +102,7 @@ def test_mooncake_store_repeat_hits_with_identical_logprobs(
     kv_config = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
     env = serve_demo.server_env()
     env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config)
-    command = serve_demo.server_command(model, port, kv_config)
+    command = serve_demo.server_command(model, port, kv_config, eager=True)
     server = serve_demo.Server(
         command, env, tmp_path / "server.log", forked_cli.starter(command)
     )

@@ -14,6 +14,9 @@ Redis-backed server SIGKILLed while it holds a lease or halfway through a
 write (each with its own Redis and servers: one killed, then a fresh one on
 the same store).
 
+The three shared servers run on vLLM's CPU CI compile path (dynamo, see
+``conftest.py``); the servers of the fault tests run eager.
+
 The servers log which stack hooks the connector found (``stack hooks:``).
 Local prefix caching is off on every server, so ``cached_tokens`` counts
 only what the connector supplied. Outputs are compared with the same prompt's
@@ -446,7 +449,7 @@ def start_engine(
     cli: ForkedCli, name: str, model: Path, root: Path, extra: dict[str, Any]
 ) -> Engine:
     port = serve_demo.free_port()
-    command = serve_demo.server_command(model, port, kv_config(extra))
+    command = serve_demo.server_command(model, port, kv_config(extra), eager=True)
     log = root / f"{name}.log"
     server = serve_demo.Server(
         command, serve_demo.server_env(), log, cli.starter(command)

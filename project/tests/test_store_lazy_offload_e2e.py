@@ -58,7 +58,7 @@ def engine(
     }
     command = [
         arg
-        for arg in serve_demo.server_command(model, port, kv_config(extra))
+        for arg in serve_demo.server_command(model, port, kv_config(extra), eager=True)
         if arg != "--no-enable-prefix-caching"
     ]
     command += ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512"]

@@ -54,7 +54,7 @@ def setup(
         "check_external_match_lifecycle": True,
     }
     port = serve_demo.free_port()
-    command = serve_demo.server_command(model, port, kv_config(extra))
+    command = serve_demo.server_command(model, port, kv_config(extra), eager=True)
     command += ["--max-num-seqs", "1"]
     log = root / "server.log"
     server = serve_demo.Server(

@@ -91,7 +91,7 @@ def servers(
     try:
         port = serve_demo.free_port()
         command = serve_demo.server_command(
-            model, port, kv_config({"path": str(store)})
+            model, port, kv_config({"path": str(store)}), eager=True
         )
         command = in_namespace(command, mount)
         server = serve_demo.Server(command, serve_demo.server_env(), root / "dir.log")
@@ -102,13 +102,13 @@ def servers(
             "redis_url": redis.url,
             "redis_password_env": PASSWORD_ENV,
         }
-        command = serve_demo.server_command(model, port, kv_config(extra))
+        command = serve_demo.server_command(model, port, kv_config(extra), eager=True)
         env = {**serve_demo.server_env(), PASSWORD_ENV: PASSWORD}
         server = serve_demo.Server(command, env, root / "redis.log")
         engines["redis"] = Engine("redis", server, port)
         port = serve_demo.free_port()
         command = serve_demo.server_command(
-            model, port, kv_config({"path": str(store)})
+            model, port, kv_config({"path": str(store)}), eager=True
         )
         command += ["--hf-config-path", str(other_config(model, root / "config"))]
         server = serve_demo.Server(

@@ -92,7 +92,7 @@ def start_in_namespace(
     remount = ' && mount -o remount,bind,ro "$0"' if read_only else ""
     script = f'mount --bind "$0" "$0"{remount} && exec "$@"'
     command = [*namespace_command(), "sh", "-c", script, str(store)]
-    command += serve_demo.server_command(model, port, kv)
+    command += serve_demo.server_command(model, port, kv, eager=True)
     server = serve_demo.Server(command, serve_demo.server_env(), root / f"{name}.log")
     return Engine(name, server, port)
 

@@ -58,7 +58,7 @@ def start(
     # another order than TP=1, and in bfloat16 that flipped a greedy token on
     # an AMD EPYC (bfloat16 without AMX); in float32 the orders agree to
     # rounding noise on every CPU.
-    command = serve_demo.server_command(model, port, kv) + ["--dtype", "float32"]
+    command = serve_demo.server_command(model, port, kv, eager=True) + ["--dtype", "float32"]
     env = serve_demo.server_env()
     if tp > 1:
         command += ["--tensor-parallel-size", str(tp)]
