@@ -13,7 +13,10 @@ Run with the python of build/venv-lmcache (``./wb venv --lmcache``):
 ``python lmcache_hma_driver.py decide MODEL_DIR``
     builds a ``VllmConfig`` with ``LMCacheConnectorV1`` in a process that has
     not imported ``lmcache`` and prints ``RESULT {...}``: the hybrid KV cache
-    manager decision and whether ``lmcache`` got imported making it.
+    manager decision, whether ``lmcache`` got imported making it and what
+    that import cost (the first config less the same config built again);
+    then the decision for ``LMCacheMPConnector``, LMCache's multi-process
+    connector.
 
 ``python lmcache_hma_driver.py repeat MODEL_DIR``
     starts one engine on MODEL_DIR with ``LMCacheConnectorV1``, LMCache's own
@@ -210,6 +213,8 @@ def connector_cases(model: str) -> dict[str, Any]:
 
 
 def decide(model: str) -> dict[str, Any]:
+    import time
+
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -221,23 +226,52 @@ def decide(model: str) -> dict[str, Any]:
         KVConnectorFactory,
     )
 
-    kv_transfer_config = KVTransferConfig(
-        kv_connector="LMCacheConnectorV1", kv_role="kv_both"
-    )
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=model, max_model_len=1024),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=kv_transfer_config,
-    )
+    def make_config(kv_connector: str) -> tuple[VllmConfig, float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(model=model, max_model_len=1024),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=kv_connector, kv_role="kv_both"
+            ),
+        )
+        return vllm_config, time.perf_counter() - wall, time.process_time() - cpu
+
+    # The API server's cost of the decision: the first config imports the
+    # adapter (LMCache's engine and its dependencies), the same config built
+    # again does not.
+    modules_before = len(sys.modules)
+    vllm_config, first_s, first_cpu_s = make_config("LMCacheConnectorV1")
+    imported = len(sys.modules) - modules_before
+    _, again_s, again_cpu_s = make_config("LMCacheConnectorV1")
+    mp_config = make_config("LMCacheMPConnector")[0]
+    assert vllm_config.kv_transfer_config is not None
+    assert mp_config.kv_transfer_config is not None
+    mp_cls = KVConnectorFactory.get_connector_class(mp_config.kv_transfer_config)
     return {
         "supports_hma_config": KVConnectorFactory.supports_hma_config(
-            kv_transfer_config
+            vllm_config.kv_transfer_config
         ),
         "disable_hybrid_kv_cache_manager": (
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         ),
         "lmcache_imported": "lmcache" in sys.modules,
+        "adapter_import": {
+            "modules": imported,
+            "wall_s": round(first_s - again_s, 2),
+            "cpu_s": round(first_cpu_s - again_cpu_s, 2),
+        },
+        # LMCache's multi-process connector, which the warning names.
+        "mp_connector": {
+            "class": f"{mp_cls.__module__}.{mp_cls.__qualname__}",
+            "supports_hma_config": KVConnectorFactory.supports_hma_config(
+                mp_config.kv_transfer_config
+            ),
+            "disable_hybrid_kv_cache_manager": (
+                mp_config.scheduler_config.disable_hybrid_kv_cache_manager
+            ),
+        },
     }
 
 

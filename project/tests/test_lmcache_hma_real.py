@@ -9,8 +9,10 @@ handles one KV cache group and declares no groups):
 * today's users are not broken: VllmConfig turns the hybrid KV cache manager
   off for it with vLLM's warning plus the line naming what keeps it on, and
   nothing raises (an engine serves with it: the end-to-end point below);
-* VllmConfig decides without importing ``lmcache`` (a fresh process:
-  ``lmcache`` is not in ``sys.modules`` afterwards);
+* VllmConfig decides by importing the adapter's module, never building it,
+  in a fresh process as after ``import lmcache`` (what that import costs the
+  API server is printed); ``LMCacheMPConnector``, which the warning names,
+  resolves to LMCache's own class and keeps the hybrid KV cache manager on;
 * the connector is built on it for one group, reports group 0 restored and
   forwards group 0's block ids to its ``request_finished``; on two groups
   building it raises before the adapter is built;
@@ -54,7 +56,8 @@ ADAPTER = "lmcache.integration.vllm.vllm_v1_adapter.LMCacheConnectorV1Impl"
 DECLARES_NONE = (
     f"The LMCache adapter {ADAPTER} declares no KV cache groups, so it handles a "
     "single KV cache group; the hybrid KV cache manager stays on only for an "
-    "adapter that defines get_kv_cache_group_ids()."
+    "adapter that defines get_kv_cache_group_ids(). LMCache's multi-process "
+    "mode (kv_connector LMCacheMPConnector) supports it."
 )
 LEAVES_OUT_SLIDING = (
     "get_kv_cache_group_ids() returned (1,): it leaves out the sliding_window "
@@ -147,16 +150,37 @@ def test_declaring_adapter_keeps_hybrid_manager_on(result: dict[str, Any]) -> No
     assert not any(TURNED_OFF in w for w in decision["warnings"])
 
 
+@pytest.fixture(scope="module")
+def decided(model: Path) -> dict[str, Any]:
+    return _driver("decide", model)[0]
+
+
 def test_decision_imports_the_adapter_whatever_was_imported_first(
-    model: Path,
+    decided: dict[str, Any],
 ) -> None:
     """The config-time decision imports the adapter's module (never builds
     it), so `vllm serve` decides as a script that imported lmcache first."""
-    decision = _driver("decide", model)[0]
+    decision = decided
+    assert decision["supports_hma_config"] is False
+    assert decision["disable_hybrid_kv_cache_manager"] is True
+    assert decision["lmcache_imported"] is True
+    # What deciding costs the API server (the PR text quotes it).
+    cost = decision["adapter_import"]
+    print(f"adapter import while the config is built: {cost}")
+    assert cost["modules"] > 0 and cost["wall_s"] > 0
+
+
+def test_multi_process_connector_the_warning_names_keeps_hybrid_manager_on(
+    decided: dict[str, Any],
+) -> None:
+    """The warning for today's adapter names LMCacheMPConnector: with the
+    released lmcache, vLLM resolves it to LMCache's own class, which keeps
+    the hybrid KV cache manager on."""
+    decision = decided["mp_connector"]
     assert decision == {
-        "supports_hma_config": False,
-        "disable_hybrid_kv_cache_manager": True,
-        "lmcache_imported": True,
+        "class": "lmcache.integration.vllm.lmcache_mp_connector.LMCacheMPConnector",
+        "supports_hma_config": True,
+        "disable_hybrid_kv_cache_manager": False,
     }
 
 

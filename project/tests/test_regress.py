@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from workbench import regress, stack
 from workbench.errors import WorkbenchError
+from workbench.gitutil import git
 
 TESTS = """
 import os
@@ -307,3 +308,35 @@ def test_stack_test_files_are_the_added_and_changed_ones(trial_root: Path) -> No
         + f"--- a/{changed_test}\n+++ b/{changed_test}\n@@ -1 +1,2 @@\n x\n+y\n"
     )
     assert regress.stack_test_files(trial_root) == ([added_test], [changed_test])
+
+
+def test_a_test_the_stack_adds_to_an_upstream_file_must_pass(tmp_path: Path) -> None:
+    """A new test in an upstream file the stack changes is in no baseline;
+    failing, it is the stack's regression, not a failure the release has
+    too (found when such a test failed unnoticed)."""
+    path = "tests/unit/test_upstream.py"
+    (tmp_path / path).parent.mkdir(parents=True)
+    release = "def test_old():\n    pass\n\nclass TestKept:\n    def test_m(self):\n        pass\n"
+    (tmp_path / path).write_text(release)
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "release"]):
+        git(tmp_path, *args)
+    git(tmp_path, "update-ref", "refs/kvlc/base", "HEAD")
+    (tmp_path / path).write_text(
+        release.replace(
+            "class TestKept:", "async def test_new():\n    pass\n\nclass TestKept:"
+        )
+        + "    def test_new_method(self):\n        pass\n"
+    )
+    added = regress.stack_added_tests(tmp_path, [path, "tests/unit/test_gone.py"])
+    assert added == [f"{path}::TestKept::test_new_method", f"{path}::test_new"]
+    outcomes = {
+        f"{path}::test_old": "failed",  # fails on the release too: no baseline
+        f"{path}::test_new[1]": "failed",
+        f"{path}::TestKept::test_new_method": "error",
+        f"{path}::TestKept::test_m": "passed",
+    }
+    result = regress.compare(set(), outcomes, ["tests/unit"], must_pass=added)
+    assert result.regressions == [
+        (f"{path}::TestKept::test_new_method", "error"),
+        (f"{path}::test_new[1]", "failed"),
+    ]

@@ -38,6 +38,7 @@ regression.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shlex
@@ -53,6 +54,7 @@ from pathlib import Path
 from workbench import edited, stack, upstream
 from workbench.build import LOCAL_LABEL
 from workbench.errors import WorkbenchError
+from workbench.gitutil import git_status
 from workbench.hf_fixture import write_hf_cache
 from workbench.materialize import copy_tree, materialize
 
@@ -377,12 +379,50 @@ def write_baseline(
 
 
 def in_selection(node_id: str, selection: Sequence[str]) -> bool:
-    """Whether ``node_id`` lies under one of the selected paths or node ids."""
+    """Whether ``node_id`` lies under one of the selected paths or node ids
+    (a test's parametrizations included)."""
     for chosen in selection:
         chosen = chosen.rstrip("/")
-        if node_id == chosen or node_id.startswith((chosen + "/", chosen + "::")):
+        if node_id == chosen or node_id.startswith(
+            (chosen + "/", chosen + "::", chosen + "[")
+        ):
             return True
     return False
+
+
+def _test_names(source: str) -> set[str]:
+    """The tests a test module's ``source`` defines, as pytest names them
+    after the file's path: ``test_x`` or ``TestY::test_x``."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if node.name.startswith("test"):
+                names.add(node.name)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            names |= {
+                f"{node.name}::{method.name}"
+                for method in node.body
+                if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef)
+                and method.name.startswith("test")
+            }
+    return names
+
+
+def stack_added_tests(tree: Path, changed: Sequence[str]) -> list[str]:
+    """The tests the stack adds to the upstream test files ``changed``, by
+    node id: those of ``tree`` (a materialized stack) that the release
+    (``refs/kvlc/base`` there) does not define. They must pass: not being in
+    the baseline does not make their failures the release's."""
+    added: list[str] = []
+    for path in changed:
+        ours = tree / path
+        if not ours.is_file():
+            continue
+        theirs = git_status(tree, "show", f"refs/kvlc/base:{path}")
+        release = theirs.stdout.decode() if theirs.returncode == 0 else ""
+        new = _test_names(ours.read_text()) - _test_names(release)
+        added += [f"{path}::{name}" for name in sorted(new)]
+    return added
 
 
 def stack_test_files(root: Path) -> tuple[list[str], list[str]]:
@@ -529,6 +569,7 @@ def main(argv: Sequence[str]) -> int:
             materialize(stack.load(ROOT), tree, force=True)
         must_pass, changed = stack_test_files(ROOT)
         selection += [p for p in [*must_pass, *changed] if p not in selection]
+        must_pass += stack_added_tests(tree, changed)
         args.tests_from = tree
     tests_root = (args.tests_from or upstream.pristine_tree()).resolve()
     with tempfile.TemporaryDirectory(prefix="kvlc-junit-") as tmp:
