@@ -76,10 +76,10 @@ def _min_worker(rank: int, port: int, ready: Any, results: Any) -> None:
 def steps() -> dict[str, dict[int, Any]]:
     """Run _min_worker on two gloo ranks, one step per mode; a rank still
     running 120 s after both started fails the tests instead of hanging
-    them. Starting (a spawned interpreter importing vLLM) is not timed: on a
-    loaded machine it alone can take minutes. One pair of processes serves
-    every test of the module: each start is an import of vLLM."""
-    ctx = multiprocessing.get_context("spawn")
+    them. One pair of processes serves every test of the module, forked
+    from this one, which imported vLLM already: a spawned rank imports it
+    again (15 s of a core each on a CI runner)."""
+    ctx = multiprocessing.get_context("fork")
     ready, results = ctx.Queue(), ctx.Queue()
     port = get_open_port()
     procs = [
