@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from workbench import prefixes, stack
 from workbench.errors import WorkbenchError
+from workbench.gitutil import git
 
 MESSAGE = "T\n\nbody\n"
 
@@ -71,6 +72,10 @@ def fake_materialize(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         assert force
         made.append([e.name for e in prefix.entries])
         _write(tree, TREE)
+        # The release is the tree itself: no upstream test file gains a test.
+        for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "r"]):
+            git(tree, *args)
+        git(tree, "update-ref", "refs/kvlc/base", "HEAD")
         return "head"
 
     monkeypatch.setattr(prefixes, "materialize", materialize)
@@ -181,3 +186,35 @@ def test_only_named_prefixes_run_and_unknown_names_are_refused(
             builder=lambda prefix, where: where / "python",
             baseline=set(),
         )
+
+
+def test_a_failing_test_an_entry_adds_to_an_upstream_file_is_a_regression(
+    two_entries: stack.Stack, tmp_path: Path
+):
+    """No baseline holds a test the entry adds to test_bar.py; its failure is
+    the entry's, as in ``wb regress``."""
+
+    def make_tree(prefix: stack.Stack, tree: Path) -> None:
+        _write(tree, TREE)
+        for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "r"]):
+            git(tree, *args)
+        git(tree, "update-ref", "refs/kvlc/base", "HEAD")
+        with (tree / "tests/v1/foo/test_bar.py").open("a") as bar:
+            bar.write("\ndef test_added():\n    pass\n")
+
+    (result,) = prefixes.check_prefixes(
+        two_entries,
+        tmp_path / "out",
+        only=["e2"],
+        scope=SCOPE,
+        builder=lambda prefix, where: where / "python",
+        runner=lambda *args: {
+            "tests/v1/foo/test_e2.py::test_new": "passed",
+            "tests/v1/foo/test_uses_bar.py::test_b": "passed",
+            "tests/v1/foo/test_bar.py::test_kept": "passed",
+            "tests/v1/foo/test_bar.py::test_added": "failed",
+        },
+        baseline=BASELINE,
+        make_tree=make_tree,
+    )
+    assert result.regressions == [("tests/v1/foo/test_bar.py::test_added", "failed")]

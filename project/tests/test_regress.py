@@ -340,3 +340,9 @@ def test_a_test_the_stack_adds_to_an_upstream_file_must_pass(tmp_path: Path) -> 
         (f"{path}::TestKept::test_new_method", "error"),
         (f"{path}::test_new[1]", "failed"),
     ]
+
+
+def test_a_tree_without_the_release_ref_is_refused(tmp_path: Path) -> None:
+    git(tmp_path, "init", "-q")
+    with pytest.raises(WorkbenchError, match="no refs/kvlc/base"):
+        regress.stack_added_tests(tmp_path, ["tests/unit/test_upstream.py"])

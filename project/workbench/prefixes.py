@@ -270,8 +270,11 @@ def check_prefixes(
             print(result.line(), flush=True)
             continue
         retired = [(e.name, t) for e in prefix.entries for t in e.retired]
+        must_pass = prefix_plan.own_tests + regress.stack_added_tests(
+            tree, prefix_plan.upstream_tests
+        )
         comparison = regress.compare(
-            baseline, outcomes, prefix_plan.selection, prefix_plan.own_tests, retired
+            baseline, outcomes, prefix_plan.selection, must_pass, retired
         )
         result.counts = regress.counts(outcomes)
         result.regressions = comparison.regressions

@@ -413,6 +413,10 @@ def stack_added_tests(tree: Path, changed: Sequence[str]) -> list[str]:
     node id: those of ``tree`` (a materialized stack) that the release
     (``refs/kvlc/base`` there) does not define. They must pass: not being in
     the baseline does not make their failures the release's."""
+    if git_status(tree, "rev-parse", "--verify", "-q", "refs/kvlc/base").returncode:
+        raise WorkbenchError(
+            f"{tree} has no refs/kvlc/base: materialize the stack there first"
+        )
     added: list[str] = []
     for path in changed:
         ours = tree / path
