@@ -4,10 +4,8 @@
 KVConnectorBase_V1.bind_scheduler_context(), against the real BlockPool,
 KVCacheManager and Scheduler."""
 
-import importlib
 import itertools
 from typing import Any
-from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
@@ -26,10 +24,9 @@ from tests.v1.simple_kv_offload.test_scheduler import (
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    _IN_TREE_BIND_GPU_BLOCK_POOL,
     KVConnectorBase_V1,
     KVConnectorRole,
-    _overrides_bind_gpu_block_pool_out_of_tree,
+    _binds_only_the_block_pool,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
     MooncakeStoreConnector,
@@ -350,27 +347,6 @@ def test_deprecated_pool_binding_checks_frees_against_the_blocks_references():
         context.free_blocks([3])
 
 
-def test_free_touched_blocks_drops_only_this_contexts_references():
-    manager = _make_manager()
-    context = KVConnectorSchedulerContext(manager.block_pool)
-    other = context.new_context()
-    request = create_request(request_id=1, num_tokens=BLOCK_SIZE)
-    blocks = manager.allocate_slots(request, BLOCK_SIZE)
-    assert blocks is not None
-    ((request_block,),) = blocks.get_block_ids()
-    context.touch([request_block, 5, 5, 6])
-    other.touch([6])
-    assert context.free_touched_blocks() == 4
-    assert context.free_touched_blocks() == 0
-    pool = manager.block_pool
-    assert [pool.blocks[i].ref_cnt for i in (request_block, 5, 6)] == [1, 0, 1]
-    assert 5 in _queue_ids(pool) and 6 not in _queue_ids(pool)
-    with pytest.raises(ValueError, match="this context holds 0"):
-        context.free_blocks([6])
-    other.free_blocks([6])
-    assert pool.blocks[6].ref_cnt == 0
-
-
 # ---------------------------------------------------------------------------
 # iter_free_blocks
 # ---------------------------------------------------------------------------
@@ -406,6 +382,28 @@ def test_scan_then_touch_pins_the_blocks_next_to_be_evicted():
     assert all(context.get_block(i).block_hash is not None for i in pinned)
     context.free_blocks(pinned)
     assert _ids(context.iter_free_blocks())[-len(pinned) :] == pinned
+
+
+def test_scan_resumes_after_a_free_block():
+    context, pool = _make_context()
+    queue = _queue_ids(pool)
+    assert _ids(context.iter_free_blocks(queue[2])) == queue[3:]
+    assert list(context.iter_free_blocks(queue[-1])) == []
+
+
+def test_scan_resumed_after_a_block_that_left_the_queue_starts_at_the_front():
+    """0.32.0's lazy offloader resets its cursor when the block it stopped
+    at was allocated; the context does the same for every connector."""
+    context, pool = _make_context()
+    (allocated,) = pool.get_new_blocks(1)
+    assert _ids(context.iter_free_blocks(allocated.block_id)) == _queue_ids(pool)
+
+
+@pytest.mark.parametrize("block_id", [0, 10, -1])
+def test_scan_after_the_null_block_or_an_unknown_id_raises(block_id: int):
+    context, _ = _make_context()
+    with pytest.raises(ValueError, match="iter_free_blocks"):
+        list(context.iter_free_blocks(block_id))
 
 
 def test_scan_never_yields_the_sentinel():
@@ -468,7 +466,7 @@ def test_scheduler_binds_one_context_over_its_own_state():
     assert len(connector.bound_contexts) == 1
     context = connector.bound_contexts[0]
     assert isinstance(context, KVConnectorSchedulerContext)
-    assert context.block_pool is scheduler.kv_cache_manager.block_pool
+    assert context.get_block(1) is scheduler.kv_cache_manager.block_pool.blocks[1]
     assert context.get_num_free_blocks() == 63
 
     requests = [create_request(request_id=i, num_tokens=20 + i) for i in range(3)]
@@ -489,8 +487,8 @@ def test_scheduler_binds_one_context_over_its_own_state():
 
 
 def test_multi_connector_binds_each_child_its_own_context():
-    """Each child counts its own references: one cannot free, or reset away,
-    a block another touched."""
+    """Each child counts its own references: one cannot free a block another
+    touched."""
     first = object.__new__(ContextRecordingConnector)
     first.bound_contexts = []
     second = object.__new__(ContextRecordingConnector)
@@ -503,11 +501,10 @@ def test_multi_connector_binds_each_child_its_own_context():
     [second_context] = second.bound_contexts
     assert first_context is not second_context
     assert isinstance(first_context, KVConnectorSchedulerContext)
-    assert first_context.block_pool is pool
+    assert first_context.get_block(4) is pool.blocks[4]
     second_context.touch([4])
     with pytest.raises(ValueError, match="this context holds 0"):
         first_context.free_blocks([4])
-    assert first_context.free_touched_blocks() == 0
     assert pool.blocks[4].ref_cnt == 1
 
 
@@ -554,12 +551,12 @@ def test_connectors_without_override_get_no_warning(
 
 
 class MooncakeStoreSubclass(MooncakeStoreConnector):
-    """An out-of-tree connector built on the Mooncake store connector that
-    does not override bind_gpu_block_pool() itself."""
+    """A connector built on the Mooncake store connector, which binds the
+    context."""
 
 
 class VllmNamedLegacyConnector(LegacyPoolConnector):
-    """An out-of-tree override in a module whose name starts with "vllm."."""
+    """An override in a module whose name starts with "vllm."."""
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self.gpu_block_pool = gpu_block_pool
@@ -568,46 +565,55 @@ class VllmNamedLegacyConnector(LegacyPoolConnector):
 VllmNamedLegacyConnector.__module__ = "vllm.plugins.legacy_connector"
 
 
+class MigratedPoolConnector(MockKVConnector):
+    """A connector outside vLLM that binds the context and keeps its
+    bind_gpu_block_pool() for older vLLM releases."""
+
+    def bind_scheduler_context(self, scheduler_context: SchedulerContext) -> None:
+        self.scheduler_context = scheduler_context
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.gpu_block_pool = gpu_block_pool
+
+
+class SimpleCPUOffloadPoolSubclass(SimpleCPUOffloadConnector):
+    """A subclass that overrides only the deprecated method again."""
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+
+
 @pytest.mark.parametrize(
     "connector_cls,warned",
     [
         (LegacyPoolConnector, True),
         (VllmNamedLegacyConnector, True),
+        (SimpleCPUOffloadPoolSubclass, True),
+        (MigratedPoolConnector, False),
         (MooncakeStoreSubclass, False),
         (MooncakeStoreConnector, False),
+        (SimpleCPUOffloadConnector, False),
         (MultiConnector, False),
+        (ContextRecordingConnector, False),
     ],
 )
-def test_deprecation_warning_follows_the_class_that_overrides(
+def test_deprecation_warning_follows_the_overrides(
     connector_cls: type[KVConnectorBase_V1], warned: bool
 ):
-    """Told only when the override is out of tree: the in-tree connectors
-    (and their subclasses that do not override again) move with the
-    removal."""
-    assert _overrides_bind_gpu_block_pool_out_of_tree(connector_cls) is warned
+    """Told when the class that overrides bind_gpu_block_pool() does not
+    also override bind_scheduler_context(), wherever the class lives."""
+    assert _binds_only_the_block_pool(connector_cls) is warned
 
 
-def test_in_tree_overrides_are_the_listed_ones():
-    """The in-tree exemption names exactly the vLLM connectors that override
-    bind_gpu_block_pool()."""
-    for name in _IN_TREE_BIND_GPU_BLOCK_POOL:
-        module_name, _, class_name = name.rpartition(".")
-        connector_cls = getattr(importlib.import_module(module_name), class_name)
-        assert "bind_gpu_block_pool" in vars(connector_cls)
-
-
-def test_in_tree_override_is_still_called_without_a_warning(
+def test_connector_keeping_the_old_method_beside_the_new_is_not_warned(
     caplog_vllm: pytest.LogCaptureFixture,
 ):
-    """The Mooncake store connector moves off bind_gpu_block_pool() when it
-    is removed; until then users are not told to change it."""
+    """A connector that has moved to the context but keeps its
+    bind_gpu_block_pool() for older vLLM releases has nothing to change."""
     manager = _make_manager()
-    connector = object.__new__(MooncakeStoreConnector)
-    connector.connector_scheduler = MagicMock()
+    connector = object.__new__(MigratedPoolConnector)
     connector.bind_kv_cache_manager(manager)
-    connector.connector_scheduler.bind_gpu_block_pool.assert_called_once_with(
-        manager.block_pool
-    )
+    assert connector.gpu_block_pool is manager.block_pool
     assert not [
         r for r in caplog_vllm.records if "bind_gpu_block_pool()" in r.getMessage()
     ]
@@ -643,6 +649,6 @@ def test_simple_cpu_offload_still_bound_through_bind_gpu_block_pool():
     assert child.scheduler_manager is not None
     context = child.scheduler_manager._scheduler_context
     assert isinstance(context, KVConnectorSchedulerContext)
-    assert context.block_pool is manager.block_pool
+    assert context.get_block(5) is manager.block_pool.blocks[5]
     context.touch([5])
     assert manager.block_pool.blocks[5].ref_cnt == 1

@@ -79,7 +79,7 @@ class SchedulerContext(Protocol):
     tensor. touch() takes one reference per id and free_blocks() drops one;
     a referenced block is never allocated or evicted. The context counts its
     connector's references, so a connector frees only its own, and must drop
-    each one (or all, with free_touched_blocks(), when it resets).
+    each one.
     """
 
     def get_block(self, block_id: int) -> KVCacheBlockView:
@@ -107,32 +107,25 @@ class SchedulerContext(Protocol):
         """
         ...
 
-    def free_touched_blocks(self) -> int:
-        """Drop every reference this context took and has not freed; return
-        how many were dropped.
-
-        For a connector that resets (reset_cache()), once no transfer it
-        started still reads or writes those blocks.
-        """
-        ...
-
     def new_context(self) -> "SchedulerContext":
         """A context over the same KV cache that counts its own references.
 
         For a connector that binds others (MultiConnector binds one per
-        child), so that each frees, and resets, only what it touched.
+        child), so that each frees only what it touched.
         """
         ...
 
-    def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
-        """Free blocks in eviction order (next to be evicted first).
+    def iter_free_blocks(
+        self, after_block_id: int | None = None
+    ) -> Iterator[KVCacheBlockView]:
+        """Free blocks in eviction order (next to be evicted first), from the
+        front or from the block after after_block_id.
 
-        Stop iterating before calling touch() or free_blocks(), and do not
-        keep the iterator past the connector call that created it: the scan
-        follows the free queue's links, so resuming it after a block left the
-        queue may end it early. Collect the ids to act on first, as a lazy
-        offloader does (scan the first N blocks, then touch the ones it
-        stores).
+        A scan resumed after a block that has left the free queue starts at
+        the front; one resumed after a block freed again since continues
+        from that block's new place. Stop iterating before calling touch()
+        or free_blocks(): collect the ids to act on first. Raises ValueError
+        for the null block or an unknown id.
         """
         ...
 
@@ -171,7 +164,7 @@ class KVConnectorSchedulerContext:
     """
 
     def __init__(self, block_pool: "BlockPool", count_references: bool = True) -> None:
-        self.block_pool = block_pool
+        self._block_pool = block_pool
         self._count_references = count_references
         self._blocks = block_pool.blocks
         self._free_queue = block_pool.free_block_queue
@@ -229,7 +222,7 @@ class KVConnectorSchedulerContext:
     def touch(self, block_ids: Iterable[int]) -> None:
         ids = self._referenceable_ids(block_ids, "touch")
         blocks = self._blocks
-        self.block_pool.touch([blocks[block_id] for block_id in ids])
+        self._block_pool.touch([blocks[block_id] for block_id in ids])
         touched = self._touched
         for block_id in ids:
             touched[block_id] += 1
@@ -253,7 +246,7 @@ class KVConnectorSchedulerContext:
             for block_id in ids:
                 touched[block_id] = max(touched[block_id] - 1, 0)
         blocks = self._blocks
-        self.block_pool.free_blocks([blocks[block_id] for block_id in ids])
+        self._block_pool.free_blocks([blocks[block_id] for block_id in ids])
 
     def _raise_over_free(self, frees: Counter[int]) -> None:
         """Raise for the first id freed more often than this context holds
@@ -274,34 +267,31 @@ class KVConnectorSchedulerContext:
             return self._touched[block_id]
         return self._blocks[block_id].ref_cnt
 
-    def free_touched_blocks(self) -> int:
-        blocks = self._blocks
-        held = [
-            blocks[block_id]
-            for block_id, count in enumerate(self._touched)
-            for _ in range(count)
-        ]
-        self._touched = [0] * len(blocks)
-        self.block_pool.free_blocks(held)
-        return len(held)
-
     def new_context(self) -> "KVConnectorSchedulerContext":
-        return KVConnectorSchedulerContext(self.block_pool)
+        return KVConnectorSchedulerContext(self._block_pool)
 
-    def iter_free_blocks(self) -> Iterator[KVCacheBlockView]:
-        tail = self._free_queue.fake_free_list_tail
-        block = self._free_queue.fake_free_list_head.next_free_block
-        while block is not None and block is not tail:
-            yield block
-            block = block.next_free_block
+    def iter_free_blocks(
+        self, after_block_id: int | None = None
+    ) -> Iterator[KVCacheBlockView]:
+        cursor = None
+        if after_block_id is not None:
+            cursor = self._lookup(after_block_id, "iter_free_blocks")
+            if cursor.is_null:
+                raise ValueError(
+                    f"iter_free_blocks: block {after_block_id} is the null "
+                    "block, which is never in the free queue"
+                )
+            if cursor.ref_cnt > 0:
+                cursor = None
+        return self._free_queue.iter_blocks_after(cursor)
 
     def get_num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
+        return self._block_pool.get_num_free_blocks()
 
     def get_cached_block(
         self, content_hash: bytes, group_id: int
     ) -> KVCacheBlockView | None:
-        return self.block_pool.cached_block_hash_to_block.get_one_block(
+        return self._block_pool.cached_block_hash_to_block.get_one_block(
             make_block_hash_with_group_id(BlockHash(content_hash), group_id)
         )
 
@@ -311,7 +301,7 @@ class KVConnectorSchedulerContext:
             return []
         return [
             block.block_hash,
-            *self.block_pool.cached_block_hashes_by_block.get(block.block_id, ()),
+            *self._block_pool.cached_block_hashes_by_block.get(block.block_id, ()),
         ]
 
 
