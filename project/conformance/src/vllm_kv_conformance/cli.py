@@ -1,0 +1,108 @@
+"""``vllm-kv-conformance``: run the kit against one or more connectors.
+
+    vllm-kv-conformance --kv-transfer-config '{"kv_connector": "StoreConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"path": "/scratch/store"}}'
+
+prints one line per scenario (PASS, FAIL or N/A, and why) as each finishes,
+then the table; exits 1 when a scenario failed, 2 on a usage error. Give
+``--kv-transfer-config`` once per connector to run several in one process (one
+import of vLLM), with ``--label`` for each; ``--markdown OUT`` writes the
+table of all of them (``report.markdown``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_kv_conformance.results import Report, ScenarioResult
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from vllm_kv_conformance.runner import SCENARIO_NAMES
+
+    p = argparse.ArgumentParser(
+        prog="vllm-kv-conformance", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--kv-transfer-config",
+        action="append",
+        required=True,
+        metavar="JSON",
+        help="the connector's --kv-transfer-config; repeat for more connectors",
+    )
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        help="a name for each config, in order (default: its kv_connector)",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=SCENARIO_NAMES,
+        help="run only these scenarios (repeatable; default: all)",
+    )
+    p.add_argument("--model", type=Path, help="tiny model directory (made if absent)")
+    p.add_argument("--seed", type=int, help="the prompts' seed (default: fresh)")
+    p.add_argument("--markdown", type=Path, metavar="OUT", help="write the table here")
+    p.add_argument("--verbose", action="store_true", help="keep vLLM's info log")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    configs: list[dict[str, Any]] = []
+    for text in args.kv_transfer_config:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            print(f"--kv-transfer-config is not JSON: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(config, dict) or not config.get("kv_connector"):
+            print("--kv-transfer-config must be an object with a kv_connector", file=sys.stderr)
+            return 2
+        configs.append(config)
+    if len(args.label) not in (0, len(configs)):
+        print("give one --label per --kv-transfer-config, or none", file=sys.stderr)
+        return 2
+    labels = args.label or [str(c["kv_connector"]) for c in configs]
+
+    from vllm_kv_conformance import report as render
+    from vllm_kv_conformance.runner import run_conformance
+
+    def progress(result: ScenarioResult) -> None:
+        print(f"{result.status.value:<4}  {result.name}: {result.reason}", flush=True)
+
+    reports: list[tuple[str, Report]] = []
+    for label, config in zip(labels, configs):
+        print(f"== {label}", flush=True)
+        report = run_conformance(
+            config,
+            model_dir=args.model,
+            seed=args.seed,
+            only=args.scenario,
+            progress=progress,
+        )
+        reports.append((label, report))
+    print()
+    for _, report in reports:
+        print(render.table(report))
+    if args.markdown is not None:
+        command = "vllm-kv-conformance " + " ".join(
+            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+        )
+        args.markdown.write_text(render.markdown(reports, command))
+        print(f"wrote {args.markdown}")
+    return 1 if any(r.failed for _, r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

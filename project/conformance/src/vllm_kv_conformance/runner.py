@@ -1,0 +1,197 @@
+"""Runs the scenarios against one connector configuration: the kit's entry point.
+
+The CLI (``cli.py``), the pytest plugin (``pytest_plugin.py``) and a
+connector's own tests call ``run_conformance`` with a kv-transfer-config; it
+builds the engines, installs the recorder, runs the scenarios in order and
+returns a ``Report``. One engine serves every scenario but the failed loads,
+which each get an engine with their ``kv_load_failure_policy``; engines are
+built one after the other in this process (vLLM's connector and distributed
+state are process-global), so one import of vLLM serves them all.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import os
+import random
+import traceback
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from vllm_kv_conformance import introspect, scenarios
+from vllm_kv_conformance.checks import ContextTracker
+from vllm_kv_conformance.engine import BLOCK_SIZE, KitEngine, engine_environment
+from vllm_kv_conformance.model import make_model
+from vllm_kv_conformance.prompts import Prompts, make_prompts
+from vllm_kv_conformance.recorder import (
+    LifecycleRecorder,
+    driving_mode,
+    vllm_has_lifecycle,
+)
+from vllm_kv_conformance.results import Report, ScenarioResult
+
+POLICIES = ("recompute", "fail")
+SCENARIO_NAMES: tuple[str, ...] = (
+    *(fn.__name__ for fn in scenarios.MAIN_ENGINE),
+    *(f"failed_load_{p}" for p in POLICIES),
+    "tensor_parallel_2",
+)
+NEEDS_HIT = {"partial_hit", "correctness", "preemption_while_loading"}
+NEEDS_HIT |= {"abort_after_load", "async_load", "legacy_bridge"}
+
+
+def default_model_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "vllm-kv-conformance" / "model"
+
+
+def run_conformance(
+    kv_transfer_config: dict[str, Any],
+    model_dir: Path | None = None,
+    seed: int | None = None,
+    only: Collection[str] | None = None,
+    progress: Callable[[ScenarioResult], None] | None = None,
+) -> Report:
+    """Run the scenarios (all, or those named in ``only``) against the
+    connector of ``kv_transfer_config`` (``--kv-transfer-config`` as a dict).
+
+    ``seed`` draws the prompts (default: a fresh one per run, so a store kept
+    from an earlier run does not answer the miss). ``progress`` is called with
+    each result as it comes.
+    """
+    engine_environment()
+    if not kv_transfer_config.get("kv_connector"):
+        raise ValueError("kv_transfer_config names no kv_connector")
+    unknown = set(only or ()) - set(SCENARIO_NAMES)
+    if unknown:
+        raise ValueError(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    selected = set(only or SCENARIO_NAMES)
+    model = make_model(model_dir or default_model_dir())
+    seed = random.SystemRandom().randrange(1 << 31) if seed is None else seed
+    report = Report(
+        connector=str(kv_transfer_config["kv_connector"]),
+        vllm_version=importlib.metadata.version("vllm"),
+        lifecycle=vllm_has_lifecycle(),
+    )
+
+    def record(result: ScenarioResult) -> None:
+        report.results.append(result)
+        if progress is not None:
+            progress(result)
+
+    main = [fn for fn in scenarios.MAIN_ENGINE if fn.__name__ in selected]
+    if selected & NEEDS_HIT:
+        main = [fn for fn in scenarios.MAIN_ENGINE if fn in main or fn is scenarios.hit]
+    breakable = False
+    prompts: Prompts | None = None
+    if main:
+        run = _start(model, kv_transfer_config, seed, report.lifecycle)
+        prompts = run.prompts
+        try:
+            broken: str | None = None
+            for fn in main:
+                if broken is not None:
+                    result = ScenarioResult.failed(fn.__name__, broken)
+                else:
+                    result, broken = _guarded(fn, run)
+                if fn.__name__ in selected:
+                    record(result)
+            breakable = introspect.can_break_hits(run.engine.connector)
+        finally:
+            run.engine.close()
+    for policy in POLICIES:
+        name = f"failed_load_{policy}"
+        if name not in selected:
+            continue
+        if main and not breakable:
+            record(
+                ScenarioResult.not_applicable(
+                    name,
+                    "no way to make a load fail: the connector implements no "
+                    f"{introspect.BREAK_HIT}() and the kit has no adapter for it",
+                )
+            )
+            continue
+        config = copy.deepcopy(kv_transfer_config)
+        config["kv_load_failure_policy"] = policy
+        run = _start(model, config, seed, report.lifecycle, prompts)
+        try:
+            if not introspect.can_break_hits(run.engine.connector):
+                result = ScenarioResult.not_applicable(
+                    name, f"the connector implements no {introspect.BREAK_HIT}()"
+                )
+            else:
+                result, _ = _guarded(
+                    lambda r, p=policy: scenarios.failed_load(r, p), run, name
+                )
+            record(result)
+        finally:
+            run.engine.close()
+    if "tensor_parallel_2" in selected:
+        record(scenarios.tensor_parallel_2())
+    return report
+
+
+def _start(
+    model: Path,
+    config: dict[str, Any],
+    seed: int,
+    lifecycle: bool,
+    prompts: Prompts | None = None,
+) -> scenarios.Run:
+    tracker = ContextTracker()
+    engine = KitEngine(model, config, tracker.tracking)
+    if engine.connector is None:
+        engine.close()
+        raise RuntimeError("the engine was built without a KV connector")
+    recorder = LifecycleRecorder(engine.connector, driving_mode(engine.scheduler))
+    engine.on_step(recorder.end_of_step)
+    run = scenarios.Run(
+        engine=engine,
+        recorder=recorder,
+        tracker=tracker,
+        prompts=prompts or make_prompts(seed, engine.vocab_size, BLOCK_SIZE),
+        config=config,
+        lifecycle=lifecycle,
+    )
+    _record_preemptions(run)
+    return run
+
+
+def _record_preemptions(run: scenarios.Run) -> None:
+    """Note every request the scheduler preempts (``Scheduler._preempt_request``,
+    vLLM 0.32.0 and the stack alike) in ``run.preempted``."""
+    scheduler = run.engine.scheduler
+    original = getattr(scheduler, "_preempt_request", None)
+    if original is None:
+        return
+
+    def preempt(request: Any, *args: Any, **kwargs: Any) -> Any:
+        run.preempted.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = preempt
+
+
+def _guarded(
+    fn: Callable[[scenarios.Run], ScenarioResult],
+    run: scenarios.Run,
+    name: str | None = None,
+) -> tuple[ScenarioResult, str | None]:
+    """Run one scenario; an exception fails it (with its last frame), and an
+    engine that cannot finish its requests afterwards fails the rest."""
+    name = name or fn.__name__
+    try:
+        return fn(run), None
+    except Exception as e:  # noqa: BLE001 - a scenario's failure, reported
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        result = ScenarioResult.failed(name, f"raised {type(e).__name__}: {e} ({where})")
+    try:
+        run.engine.run_until_idle()
+        run.recorder.reset()
+    except Exception as e:  # noqa: BLE001 - the engine is unusable
+        return result, f"not run: the engine broke in an earlier scenario ({e})"
+    return result, None
