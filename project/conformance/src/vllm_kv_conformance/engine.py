@@ -124,6 +124,7 @@ class KitEngine:
         self.vocab_size: int = self.engine.model_config.get_vocab_size()
         self._outputs: dict[str, Completion] = {}
         self._internal: dict[str, str] = {}
+        self._pending: set[str] = set()
         self.log = StepLog()
         self._step_hooks: list[Callable[[], None]] = []
 
@@ -164,6 +165,7 @@ class KitEngine:
             request_id, {"prompt_token_ids": list(prompt_token_ids)}, params
         )
         self._internal[request_id] = str(internal or request_id)
+        self._pending.add(request_id)
         return self._internal[request_id]
 
     def internal_id(self, request_id: str) -> str:
@@ -184,6 +186,7 @@ class KitEngine:
                 hook()
         for out in outputs:
             if out.finished:
+                self._pending.discard(out.request_id)
                 completion = out.outputs[0]  # type: ignore[union-attr]
                 self._outputs[out.request_id] = Completion(
                     token_ids=list(completion.token_ids),
@@ -224,7 +227,16 @@ class KitEngine:
             raise RuntimeError(f"request {request_id!r} produced no output") from None
 
     def abort(self, request_id: str) -> None:
+        self._pending.discard(request_id)
         self.engine.abort_request([request_id])
+
+    def abort_unfinished(self) -> list[str]:
+        """Abort every request still in flight (after a scenario raised);
+        return their ids."""
+        pending = sorted(self._pending)
+        for request_id in pending:
+            self.abort(request_id)
+        return pending
 
     def free_blocks(self) -> tuple[int, int]:
         """(free blocks, usable blocks) of the scheduler's pool."""

@@ -51,6 +51,11 @@ class Report:
     lifecycle: bool
     """Whether this vLLM has the external-match lifecycle (the patch stack)."""
     results: list[ScenarioResult] = field(default_factory=list)
+    seed: int = 0
+    """The prompts' seed (``prompts.make_prompts``)."""
+    references: dict[str, list[int]] = field(default_factory=dict)
+    """vLLM's recomputed greedy tokens per prompt name (``reference``,
+    ``control``, ``partial``), as the scenarios compared them."""
 
     def by_name(self) -> dict[str, ScenarioResult]:
         return {r.name: r for r in self.results}

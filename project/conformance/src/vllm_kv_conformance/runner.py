@@ -74,6 +74,7 @@ def run_conformance(
         connector=str(kv_transfer_config["kv_connector"]),
         vllm_version=importlib.metadata.version("vllm"),
         lifecycle=vllm_has_lifecycle(),
+        seed=seed,
     )
 
     def record(result: ScenarioResult) -> None:
@@ -99,6 +100,7 @@ def run_conformance(
                 if fn.__name__ in selected:
                     record(result)
             breakable = introspect.can_break_hits(run.engine.connector)
+            report.references = dict(run.references)
         finally:
             run.engine.close()
     for policy in POLICIES:
@@ -175,6 +177,17 @@ def _record_preemptions(run: scenarios.Run) -> None:
     scheduler._preempt_request = preempt
 
 
+def _where(e: BaseException) -> str:
+    """The deepest frame of ``e`` in a connector's code (a file whose path
+    names a connector), else its deepest frame: ``file.py:line``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "?"
+    ours = [f for f in frames if "connector" in f.filename]
+    frame = (ours or frames)[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno}"
+
+
 def _guarded(
     fn: Callable[[scenarios.Run], ScenarioResult],
     run: scenarios.Run,
@@ -186,10 +199,10 @@ def _guarded(
     try:
         return fn(run), None
     except Exception as e:  # noqa: BLE001 - a scenario's failure, reported
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        where = _where(e)
         result = ScenarioResult.failed(name, f"raised {type(e).__name__}: {e} ({where})")
     try:
+        run.engine.abort_unfinished()
         run.engine.run_until_idle()
         run.recorder.reset()
     except Exception as e:  # noqa: BLE001 - the engine is unusable
