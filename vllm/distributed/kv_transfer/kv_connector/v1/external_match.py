@@ -24,7 +24,7 @@ exception (Scheduler.schedule() calls abort_open()).
 ExternalMatchChecker checks the contract at runtime for connector authors
 (VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1).
 
-This module does not import base.py (base.py imports it): what needs
+This module does not import base.py at run time (base.py imports it): what needs
 KVConnectorBase_V1 itself lives there.
 """
 
