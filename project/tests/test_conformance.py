@@ -37,6 +37,8 @@ from vllm_kv_conformance import Report, Status  # noqa: E402
 from vllm_kv_conformance.cli import main as cli_main  # noqa: E402
 from vllm_kv_conformance.report import markdown  # noqa: E402
 
+pytest_plugins = ["pytester"]
+
 # Prompts for which the tiny model's answers to the reference and the control
 # prompt differ (test_control_prompt_differs_without_a_connector proves it).
 SEED = 20261129
@@ -204,3 +206,31 @@ def test_cli_refuses_a_config_that_is_not_json(
 ) -> None:
     assert cli_main(["--kv-transfer-config", "{not json"]) == 2
     assert "not JSON" in capsys.readouterr().err
+
+
+def test_pytest_plugin_makes_a_test_per_scenario(
+    pytester: pytest.Pytester, model: Path
+) -> None:
+    """The plugin as a connector's CI uses it; only the scenario that builds no
+    engine, so this costs no engine."""
+    pytester.makepyfile(
+        test_kv="""
+        from vllm_kv_conformance.pytest_plugin import assert_conforms
+
+        def test_kv_conformance(kv_conformance_result):
+            assert_conforms(kv_conformance_result)
+        """
+    )
+    result = pytester.runpytest_inprocess(
+        "-p",
+        "vllm_kv_conformance.pytest_plugin",
+        "--kv-conformance-config",
+        '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}',
+        "--kv-conformance-only",
+        "tensor_parallel_2",
+        "--kv-conformance-model",
+        str(model),
+        "-rs",
+    )
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*tensor_parallel_2: not run by the kit*"])

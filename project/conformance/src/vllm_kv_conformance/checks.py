@@ -15,7 +15,6 @@ those it derives with ``new_context``) and reads their own reference counts.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,6 +50,16 @@ def settle(
     out = Settled()
     if engine.busy():
         engine.run_until_idle()
+
+    def released() -> bool:
+        after = lease_snapshot(engine)
+        leaked = after is not None and bool(after - (leases_before or frozenset()))
+        free, usable = engine.free_blocks()
+        return not leaked and free == usable
+
+    # What a connector releases between steps (an async load's end) gets a
+    # few seconds of idle steps before it counts as left over.
+    engine.settle(released)
     ledger = recorder.reset()
     out.ledger = ledger
     out.problems.extend(ledger.violations)
@@ -84,7 +93,9 @@ class ContextTracker:
     """
 
     def __init__(self) -> None:
-        self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Strong references: a context lives as long as its engine anyway,
+        # and one the connector dropped must still be counted.
+        self._contexts: list[Any] = []
         self.over_frees: list[str] = []
         self.available = False
 
@@ -113,7 +124,7 @@ class ContextTracker:
             cls.__init__ = original_init  # type: ignore[method-assign]
 
     def _adopt(self, ctx: Any) -> None:
-        self._contexts.add(ctx)
+        self._contexts.append(ctx)
         free_blocks = ctx.free_blocks
         new_context = ctx.new_context
         tracker = self

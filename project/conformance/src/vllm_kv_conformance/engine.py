@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -197,18 +198,32 @@ class KitEngine:
     def busy(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
 
-    def run_until_idle(self, max_steps: int = 400) -> None:
+    def run_until_idle(self, timeout_s: float = 120.0) -> None:
         """Step until no request is left, then twice more with none, so a
         connector's between-step work (async loads and saves, deferred
-        releases) can finish."""
-        for _ in range(max_steps):
-            if not self.busy():
-                break
+        releases) can finish. A step with nothing running (requests waiting
+        for an asynchronous load) is followed by a millisecond's sleep."""
+        deadline = time.monotonic() + timeout_s
+        while self.busy():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"requests still unfinished after {timeout_s:.0f} s")
             self.step()
-        else:
-            raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+            if not self.scheduler.running:
+                time.sleep(0.001)
         for _ in range(2):
             self.step()
+
+    def settle(self, done: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+        """Step an idle engine until ``done()`` (blocks freed, leases
+        released: what a connector finishes between steps), at most
+        ``timeout_s``; whether it came true."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            self.step()
+            time.sleep(0.005)
+        return True
 
     def run(
         self, requests: dict[str, list[int]], recompute: bool = False

@@ -27,7 +27,9 @@ scenario and fail it for leases opened during it that are still open once all
 its requests are finished; ``break_hit`` is called by
 ``scenarios.failed_load``.
 
-Adapters: ``StoreConnector`` (the project's reference connector, package
+Adapters: ``SimpleCPUOffloadConnector`` pins the CPU blocks of a hit in its
+CPU block pool (a reference each); the adapter lists the referenced ones.
+``StoreConnector`` (the project's reference connector, package
 ``kvlc_store``) on its directory backend keeps a lease as a file
 ``leases/<lease id>`` in its store, removed when the lease is released (its
 README and ``backends/directory.py``); its ``Offer`` (the ``query_result``)
@@ -64,7 +66,7 @@ def open_leases(connectors: list[Any]) -> frozenset[Hashable] | None:
     for connector in connectors:
         if connector is None:
             continue
-        for source in (_protocol_leases, _store_connector_leases):
+        for source in (_protocol_leases, _store_connector_leases, _cpu_offload_pins):
             leases = source(connector)
             if leases is not None:
                 found = (found or set()) | {(type(connector).__name__, x) for x in leases}
@@ -86,6 +88,21 @@ def _protocol_leases(connector: Any) -> Collection[Hashable] | None:
     if isinstance(connector, ExposesLeases):
         return list(connector.kv_conformance_open_leases())
     return None
+
+
+# -- SimpleCPUOffloadConnector (vLLM, with the stack) --------------------------
+
+
+def _cpu_offload_pins(connector: Any) -> Collection[Hashable] | None:
+    """CPU blocks referenced in SimpleCPUOffloadConnector's CPU pool: a hit
+    pins its CPU blocks from prepare until its load ends (the stack's
+    ``simple_kv_offload/manager.py``); stored blocks are cached unreferenced."""
+    manager = getattr(connector, "scheduler_manager", None)
+    pool = getattr(manager, "cpu_block_pool", None)
+    blocks = getattr(pool, "blocks", None)
+    if blocks is None:
+        return None
+    return [f"cpu-block-{b.block_id}" for b in blocks if b.ref_cnt > 0 and not b.is_null]
 
 
 # -- StoreConnector (kvlc_store) on its directory backend ---------------------

@@ -13,7 +13,8 @@ method). Which methods depends on how this scheduler drives the connector:
   (vLLM 0.32.0, or the stack's bridge for a connector that implements only
   that pair);
 
-and ``request_finished`` in both. The checks are the contract's text
+and ``request_finished`` (``request_finished_all_groups`` for a
+``SupportsHMA`` connector) in both. The checks are the contract's text
 (``external_match.py`` and ``base.py`` of the stack): every prepared match
 gets exactly one commit or abort, before the next prepare of its request,
 before the request is freed and before the scheduling pass ends; a commit
@@ -94,6 +95,9 @@ class LifecycleRecorder:
 
     def _install(self) -> None:
         names = ["request_finished"]
+        if callable(getattr(self.connector, "request_finished_all_groups", None)):
+            # SupportsHMA connectors are told through this one instead.
+            names.append("request_finished_all_groups")
         if self.mode == LIFECYCLE:
             names += [
                 "prepare_external_match",
@@ -234,6 +238,11 @@ class LifecycleRecorder:
         return original(request, blocks, num_external_tokens)
 
     # -- both ----------------------------------------------------------------
+
+    def _request_finished_all_groups(
+        self, original: Any, request: Any, block_ids: Any
+    ) -> Any:
+        return self._request_finished(original, request, block_ids)
 
     def _request_finished(self, original: Any, request: Any, block_ids: Any) -> Any:
         req_id = request.request_id

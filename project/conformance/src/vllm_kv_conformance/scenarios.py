@@ -392,6 +392,8 @@ def scheduler_context(run: Run) -> ScenarioResult:
         return ScenarioResult.not_applicable(
             name, "the connector does not bind the scheduler context"
         )
+    if not run.tracker.contexts:
+        return ScenarioResult.not_applicable(name, "no scheduler context was bound")
     held = run.tracker.references_held()
     if held is None:
         return ScenarioResult.not_applicable(
