@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--kv-transfer-config is not JSON: {e}", file=sys.stderr)
             return 2
         if not isinstance(config, dict) or not config.get("kv_connector"):
-            print("--kv-transfer-config must be an object with a kv_connector", file=sys.stderr)
+            print(
+                "--kv-transfer-config must be an object with a kv_connector",
+                file=sys.stderr,
+            )
             return 2
         configs.append(config)
     if len(args.label) not in (0, len(configs)):
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result.status.value:<4}  {result.name}: {result.reason}", flush=True)
 
     reports: list[tuple[str, Report]] = []
-    for label, config in zip(labels, configs):
+    for label, config in zip(labels, configs, strict=True):
         print(f"== {label}", flush=True)
         report = run_conformance(
             config,

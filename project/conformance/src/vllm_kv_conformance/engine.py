@@ -151,9 +151,9 @@ class KitEngine:
         recompute: bool = False,
     ) -> str:
         """Queue a greedy request; return the id the scheduler knows it by
-        (vLLM appends a suffix to the caller's id). ``recompute``: it reads no cached prefix,
-        so the connector supplies nothing and its tokens are what vLLM
-        computes (``SamplingParams.skip_reading_prefix_cache``)."""
+        (vLLM appends a suffix to the caller's id). ``recompute``: it reads no
+        cached prefix, so the connector supplies nothing and its tokens are
+        what vLLM computes (``SamplingParams.skip_reading_prefix_cache``)."""
         from vllm import SamplingParams
 
         params = SamplingParams(

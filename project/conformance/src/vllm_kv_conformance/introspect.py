@@ -69,12 +69,16 @@ def open_leases(connectors: list[Any]) -> frozenset[Hashable] | None:
         for source in (_protocol_leases, _store_connector_leases, _cpu_offload_pins):
             leases = source(connector)
             if leases is not None:
-                found = (found or set()) | {(type(connector).__name__, x) for x in leases}
+                found = (found or set()) | {
+                    (type(connector).__name__, x) for x in leases
+                }
     return None if found is None else frozenset(found)
 
 
 def can_break_hits(connector: Any) -> bool:
-    return isinstance(connector, BreaksHits) or _store_backend_root(connector) is not None
+    return (
+        isinstance(connector, BreaksHits) or _store_backend_root(connector) is not None
+    )
 
 
 def break_hit(connector: Any, query_result: object) -> bool:
@@ -102,7 +106,9 @@ def _cpu_offload_pins(connector: Any) -> Collection[Hashable] | None:
     blocks = getattr(pool, "blocks", None)
     if blocks is None:
         return None
-    return [f"cpu-block-{b.block_id}" for b in blocks if b.ref_cnt > 0 and not b.is_null]
+    return [
+        f"cpu-block-{b.block_id}" for b in blocks if b.ref_cnt > 0 and not b.is_null
+    ]
 
 
 # -- StoreConnector (kvlc_store) on its directory backend ---------------------

@@ -88,6 +88,7 @@ class LifecycleRecorder:
         self._open: dict[str, Any] = {}
         self._legacy_offer: dict[str, tuple[int, bool]] = {}
         self._ever_finished: set[str] = set()
+        self._finishing: set[str] = set()
         self._installed: list[str] = []
         self._install()
 
@@ -245,6 +246,18 @@ class LifecycleRecorder:
         return self._request_finished(original, request, block_ids)
 
     def _request_finished(self, original: Any, request: Any, block_ids: Any) -> Any:
+        req_id = request.request_id
+        if req_id in self._finishing:
+            # request_finished_all_groups calling request_finished (a
+            # MultiConnector, the base class): one call of the scheduler.
+            return original(request, block_ids)
+        self._finishing.add(req_id)
+        try:
+            return self._finished(original, request, block_ids)
+        finally:
+            self._finishing.discard(req_id)
+
+    def _finished(self, original: Any, request: Any, block_ids: Any) -> Any:
         req_id = request.request_id
         if req_id in self._open:
             self.violation(f"{req_id} finished with its match still prepared")

@@ -200,7 +200,9 @@ def _guarded(
         return fn(run), None
     except Exception as e:  # noqa: BLE001 - a scenario's failure, reported
         where = _where(e)
-        result = ScenarioResult.failed(name, f"raised {type(e).__name__}: {e} ({where})")
+        result = ScenarioResult.failed(
+            name, f"raised {type(e).__name__}: {e} ({where})"
+        )
     try:
         run.engine.abort_unfinished()
         run.engine.run_until_idle()

@@ -149,7 +149,9 @@ def hit(run: Run) -> ScenarioResult:
     settled = s.finish()
     problems: list[str] = []
     if first_tokens or first.num_cached_tokens:
-        problems.append(f"the first request of a fresh prompt got {first_tokens} tokens")
+        problems.append(
+            f"the first request of a fresh prompt got {first_tokens} tokens"
+        )
     else:
         run.references["reference"] = first.token_ids
     if repeat.num_cached_tokens == 0:
@@ -209,7 +211,7 @@ def preemption_while_loading(run: Run) -> ScenarioResult:
             s.name, "three requests of the hit did not preempt one another"
         )
     problems: list[str] = []
-    for rid, completion in zip(ids, served):
+    for rid, completion in zip(ids, served, strict=True):
         problems += _tokens_differ(completion, reference, rid)
     what = (
         f"{len(preempted)} of 3 hit requests preempted after their match was "
@@ -287,10 +289,10 @@ def step_raises(run: Run) -> ScenarioResult:
     raised: list[str] = []
 
     def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.request_id == target and not raised:
-            if target in run.recorder.open_matches:
-                raised.append(target)
-                raise RuntimeError("kit: injected failure after the match was prepared")
+        prepared = target in run.recorder.open_matches
+        if request.request_id == target and prepared and not raised:
+            raised.append(target)
+            raise RuntimeError("kit: injected failure after the match was prepared")
         return original(request, *args, **kwargs)
 
     manager.allocate_slots = allocate_slots
@@ -343,11 +345,14 @@ def correctness(run: Run) -> ScenarioResult:
         )
     problems = _tokens_differ(repeat, reference, "the hit")
     if control.token_ids != control_ref:
-        loaded = " (the reference prompt's tokens)" if control.token_ids == reference else ""
+        loaded = (
+            " (the reference prompt's tokens)" if control.token_ids == reference else ""
+        )
         problems.append(
-            f"the control prompt (first half changed) served {control.num_cached_tokens} "
-            f"cached tokens and answered {control.token_ids}{loaded}, not its recompute "
-            f"{control_ref}: a hit loaded another prompt's KV"
+            "the control prompt (first half changed) served "
+            f"{control.num_cached_tokens} cached tokens and answered "
+            f"{control.token_ids}{loaded}, not its recompute {control_ref}: "
+            "a hit loaded another prompt's KV"
         )
     what = (
         f"hit of {repeat.num_cached_tokens} tokens equals the recompute; the control "
@@ -478,4 +483,3 @@ def tensor_parallel_2(_: Run | None = None) -> ScenarioResult:
         "process and an import of vLLM per rank, gloo between them), beyond "
         "the kit's in-process engine on the CPU build",
     )
-
