@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="tiny model directory (made if absent)")
     p.add_argument("--seed", type=int, help="the prompts' seed (default: fresh)")
     p.add_argument("--markdown", type=Path, metavar="OUT", help="write the table here")
+    p.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a paragraph for the Markdown table's head (repeatable)",
+    )
     p.add_argument("--verbose", action="store_true", help="keep vLLM's info log")
     return p.parse_args(argv)
 
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "vllm-kv-conformance " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
         )
-        args.markdown.write_text(render.markdown(reports, command))
+        args.markdown.write_text(render.markdown(reports, command, notes=args.note))
         print(f"wrote {args.markdown}")
     return 1 if any(r.failed for _, r in reports) else 0
 

@@ -57,9 +57,13 @@ def git_commit(start: Path | None = None) -> str:
 
 
 def markdown(
-    reports: list[tuple[str, Report]], command: str, commit: str | None = None
+    reports: list[tuple[str, Report]],
+    command: str,
+    commit: str | None = None,
+    notes: list[str] | None = None,
 ) -> str:
-    """``reports``: (label, report) pairs, one per connector configuration."""
+    """``reports``: (label, report) pairs, one per connector configuration;
+    ``notes``: paragraphs after the machine and commit lines."""
     out = [
         "# KV connector conformance",
         "",
@@ -71,6 +75,8 @@ def markdown(
         f"- commit: `{commit or git_commit()}`",
         "",
     ]
+    for note in notes or []:
+        out += [note, ""]
     for label, report in reports:
         out += [
             f"## {label}",
