@@ -105,9 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     for _, report in reports:
         print(render.table(report))
     if args.markdown is not None:
-        command = "vllm-kv-conformance " + " ".join(
-            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
-        )
+        parts: list[str] = []
+        for arg in argv if argv is not None else sys.argv[1:]:
+            if arg.startswith("--") or not parts:
+                parts.append(shlex.quote(arg))
+            else:
+                parts[-1] += " " + shlex.quote(arg)
+        command = " \\\n    ".join(["vllm-kv-conformance", *parts])
         args.markdown.write_text(render.markdown(reports, command, notes=args.note))
         print(f"wrote {args.markdown}")
     return 1 if any(r.failed for _, r in reports) else 0

@@ -27,7 +27,8 @@ scenario and fail it for leases opened during it that are still open once all
 its requests are finished; ``break_hit`` is called by
 ``scenarios.failed_load``.
 
-Adapters: ``SimpleCPUOffloadConnector`` pins the CPU blocks of a hit in its
+Adapters (a ``MultiConnector``'s connectors are asked too):
+``SimpleCPUOffloadConnector`` pins the CPU blocks of a hit in its
 CPU block pool (a reference each); the adapter lists the referenced ones.
 ``StoreConnector`` (the project's reference connector, package
 ``kvlc_store``) on its directory backend keeps a lease as a file
@@ -63,9 +64,7 @@ def open_leases(connectors: list[Any]) -> frozenset[Hashable] | None:
     from the protocol and the adapters together; None when none of them
     exposes any."""
     found: set[Hashable] | None = None
-    for connector in connectors:
-        if connector is None:
-            continue
+    for connector in _with_subconnectors(connectors):
         for source in (_protocol_leases, _store_connector_leases, _cpu_offload_pins):
             leases = source(connector)
             if leases is not None:
@@ -73,6 +72,16 @@ def open_leases(connectors: list[Any]) -> frozenset[Hashable] | None:
                     (type(connector).__name__, x) for x in leases
                 }
     return None if found is None else frozenset(found)
+
+
+def _with_subconnectors(connectors: list[Any]) -> list[Any]:
+    """``connectors`` and, for a MultiConnector, the connectors it holds."""
+    out: list[Any] = []
+    for connector in connectors:
+        if connector is not None:
+            out.append(connector)
+            out += _with_subconnectors(list(getattr(connector, "_connectors", [])))
+    return out
 
 
 def can_break_hits(connector: Any) -> bool:

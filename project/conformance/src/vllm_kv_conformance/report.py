@@ -67,9 +67,12 @@ def markdown(
     out = [
         "# KV connector conformance",
         "",
-        f"Written by `{command}` "
-        f"(`vllm-kv-conformance`, project/conformance) on "
-        f"{datetime.date.today().isoformat()}.",
+        f"Written on {datetime.date.today().isoformat()} by the conformance kit "
+        "(project/conformance), from the repository root:",
+        "",
+        "```",
+        command,
+        "```",
         "",
         f"- machine: {machine.describe()}",
         f"- commit: `{commit or git_commit()}`",
