@@ -213,7 +213,7 @@ class KitEngine:
         for _ in range(2):
             self.step()
 
-    def settle(self, done: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+    def settle(self, done: Callable[[], bool], timeout_s: float = 2.0) -> bool:
         """Step an idle engine until ``done()`` (blocks freed, leases
         released: what a connector finishes between steps), at most
         ``timeout_s``; whether it came true."""
@@ -222,7 +222,7 @@ class KitEngine:
             if time.monotonic() > deadline:
                 return False
             self.step()
-            time.sleep(0.005)
+            time.sleep(0.02)
         return True
 
     def run(
