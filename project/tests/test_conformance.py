@@ -79,7 +79,9 @@ EXAMPLE_EXPECTED = {
 
 
 def store_config(path: Path, connector: str = "StoreConnector") -> dict[str, Any]:
-    module = "kvlc_store" if connector == "StoreConnector" else "test_conformance_plants"
+    module = (
+        "kvlc_store" if connector == "StoreConnector" else "test_conformance_plants"
+    )
     return {
         "kv_connector": connector,
         "kv_connector_module_path": module,
@@ -234,3 +236,74 @@ def test_pytest_plugin_makes_a_test_per_scenario(
     )
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*tensor_parallel_2: not run by the kit*"])
+
+
+class _Match:
+    def __init__(self, num_tokens: int, load_kv_async: bool = False) -> None:
+        self.num_tokens = num_tokens
+        self.load_kv_async = load_kv_async
+        self.query_result = object()
+
+
+class _Request:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+class _LifecycleConnector:
+    """What the recorder wraps: the scheduler-side methods, doing nothing."""
+
+    def prepare_external_match(self, request: Any, num_computed_tokens: int) -> Any:
+        return _Match(128)
+
+    def commit_external_match(self, request: Any, blocks: Any, match: Any) -> None:
+        return None
+
+    def abort_external_match(self, request: Any, match: Any) -> None:
+        return None
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        return False, None
+
+
+def test_recorder_reports_each_broken_guarantee() -> None:
+    """The scheduler-side half of the contract, which vLLM's scheduler keeps
+    (so no planted connector can break it): each guarantee the recorder
+    checks is reported when broken, with the request's id."""
+    from vllm_kv_conformance.recorder import LIFECYCLE, LifecycleRecorder
+
+    connector = _LifecycleConnector()
+    recorder = LifecycleRecorder(connector, LIFECYCLE)
+    a, b, c = _Request("a"), _Request("b"), _Request("c")
+    match = connector.prepare_external_match(a, 0)
+    connector.prepare_external_match(a, 0)  # prepared twice
+    connector.commit_external_match(a, None, _Match(256))  # more than prepared
+    connector.abort_external_match(a, match)  # abort after the commit
+    connector.commit_external_match(b, None, _Match(128))  # never prepared
+    connector.prepare_external_match(c, 0)
+    connector.request_finished(c, [])  # finished with its match open
+    connector.request_finished(c, [])  # finished twice
+    recorder.end_of_step()
+    assert recorder.ledger.violations == [
+        "prepare for a while its match is open",
+        "commit for a with another query_result",
+        "commit of 256 tokens for a, 128 prepared",
+        "abort for a of a match that is not open",
+        "commit of 128 tokens for b without an open prepared match",
+        "c finished with its match still prepared",
+        "request_finished called twice for c",
+        "match of c still prepared after the step",
+    ]
+    recorder.uninstall()
+    assert "prepare_external_match" not in vars(connector)
+
+
+def test_a_scheduler_without_the_lifecycle_drives_the_legacy_pair() -> None:
+    """vLLM 0.32.0's Scheduler has no ``external_matches``: the kit records
+    the legacy pair there (the unpatched release, checked without one)."""
+    from vllm_kv_conformance.recorder import LEGACY, driving_mode
+
+    class Scheduler:
+        connector = None
+
+    assert driving_mode(Scheduler()) == LEGACY
