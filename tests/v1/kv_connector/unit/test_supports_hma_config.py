@@ -13,6 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
 from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.cpu_test
@@ -85,3 +88,17 @@ def test_connector_class_decides_per_config(
 
 def test_default_answer_is_yes():
     assert SupportsHMA.supports_hma_config(KVTransferConfig()) is True
+
+
+def test_multi_connector_decides_in_supports_hma_config_alone():
+    """MultiConnector's answer and the check its constructor makes are one
+    method: no second way to ask."""
+    assert not hasattr(MultiConnector, "all_children_support_hma")
+    assert MultiConnector.supports_hma_config(_multi(True, True)) is True
+    assert MultiConnector.supports_hma_config(_multi(True, False)) is False
+    assert (
+        MultiConnector.supports_hma_config(
+            KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both")
+        )
+        is False
+    )

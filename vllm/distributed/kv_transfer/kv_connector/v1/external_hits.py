@@ -84,18 +84,15 @@ class WorkerExternalHits:
         self._hook_error_logged = False
 
     def apply(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
-        """Return scheduler_output with the connector's hits applied, each the
-        minimum over the ranks that share this step's batch, set ``applied``
-        to them (None when none) and pass them to on_external_hits_applied().
+        """Return scheduler_output with the connector's hits applied (each the
+        minimum over the ranks sharing this step's batch), recorded in
+        ``applied`` and passed to on_external_hits_applied().
 
-        Every tensor- and prefill-context-parallel rank must call this every
-        step. When a request may take a hit every rank joins one all-reduce,
-        whatever its hook did, so none is left waiting: if the hook raised or
-        returned a bad value on any rank, every rank raises RuntimeError.
-        If on_external_hits_applied() raises, the applied hits stay applied
-        and their loads fail (failed_block_ids), so the scheduler recomputes
-        or fails the requests by kv_load_failure_policy.
-        """
+        Every tensor- and prefill-context-parallel rank calls this every step;
+        when a request may take a hit, all join one all-reduce whatever their
+        hook did: a raise or bad value on any rank raises RuntimeError on all.
+        If on_external_hits_applied() raises, the hits' loads fail
+        (failed_block_ids) and kv_load_failure_policy decides."""
         self.applied = None
         self.failed_block_ids = set()
         self._track_requests(scheduler_output)

@@ -1,31 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The lifecycle of an external KV match on the scheduler side.
+"""The scheduler's side of the external KV match lifecycle.
 
-A KV connector offers the tokens it can load for a waiting request in
-KVConnectorBase_V1.prepare_external_match(); the scheduler then either admits
-the request and calls commit_external_match() with the tokens it accepted, or
-does not admit it in this step and calls abort_external_match(). A connector
-may therefore pin, lease or prefetch in prepare and know that exactly one of
-commit or abort follows.
-
-Whether the scheduler speaks this lifecycle to a connector is decided once,
-when the scheduler is built (KVConnectorBase_V1.uses_external_match_lifecycle),
-by the object ExternalMatchCalls.for_connector() returns: the scheduler makes
-the same three calls (prepare, commit, end_pass) either way. A connector that
-overrides none of the three methods gets the legacy
-get_num_new_matched_tokens() / update_state_after_alloc() calls, as before the
-lifecycle existed, with no match objects created.
-
-ExternalMatchLifecycle is the scheduler's side of the contract: it keeps the
-matches prepared in the current scheduling pass and aborts those still open
-when the pass ends, whichever way the request left the pass, including an
-exception (Scheduler.schedule() calls abort_open()).
-ExternalMatchChecker checks the contract at runtime for connector authors
-(VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1).
-
-This module does not import base.py at run time (base.py imports it): what needs
-KVConnectorBase_V1 itself lives there.
+The contract (prepare, then exactly one commit or abort) is documented on
+KVConnectorBase_V1.prepare_external_match(). ExternalMatchCalls.for_connector()
+decides once per scheduler whether a connector speaks the lifecycle or gets
+the legacy pair; ExternalMatchLifecycle aborts the matches still open when a
+pass ends, also when schedule() raises; ExternalMatchChecker checks the
+contract at run time (VLLM_CHECK_EXTERNAL_MATCH_LIFECYCLE=1). No run-time
+import of base.py, which imports this module.
 """
 
 import dataclasses

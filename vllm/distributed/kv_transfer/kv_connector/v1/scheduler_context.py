@@ -157,9 +157,8 @@ class KVConnectorSchedulerContext:
         block_pool: the pool whose blocks connectors see.
         count_references: check each free against the references this
             context took (the default). False only for the deprecated
-            bind_gpu_block_pool() path, whose connectors may have taken
-            references through the pool itself: a free is then checked
-            against the block's references, as in 0.32.0.
+            bind_gpu_block_pool() path, whose connectors may have touched the
+            pool itself: frees are checked against ref_cnt, as in 0.32.0.
 
     """
 
