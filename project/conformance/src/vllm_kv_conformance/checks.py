@@ -108,7 +108,8 @@ class ContextTracker:
         except ImportError:
             yield
             return
-        cls = scheduler_context.KVConnectorSchedulerContext
+        # Any: its __init__ is replaced while the engine is built.
+        cls: Any = scheduler_context.KVConnectorSchedulerContext
         self.available = True
         original_init = cls.__init__
         tracker = self
@@ -117,11 +118,11 @@ class ContextTracker:
             original_init(ctx, *args, **kwargs)
             tracker._adopt(ctx)
 
-        cls.__init__ = init  # type: ignore[method-assign]
+        cls.__init__ = init
         try:
             yield
         finally:
-            cls.__init__ = original_init  # type: ignore[method-assign]
+            cls.__init__ = original_init
 
     def _adopt(self, ctx: Any) -> None:
         self._contexts.append(ctx)

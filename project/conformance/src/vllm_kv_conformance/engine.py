@@ -112,7 +112,8 @@ class KitEngine:
             ),
         )
         with _tracking(build_hook):
-            self.engine = LLMEngine.from_engine_args(args)
+            # Any: the kit reads RequestOutput fields vLLM types as optional.
+            self.engine: Any = LLMEngine.from_engine_args(args)
         core = getattr(self.engine.engine_core, "engine_core", None)
         if core is None:
             self.close()
@@ -188,10 +189,10 @@ class KitEngine:
         for out in outputs:
             if out.finished:
                 self._pending.discard(out.request_id)
-                completion = out.outputs[0]  # type: ignore[union-attr]
+                completion = out.outputs[0]
                 self._outputs[out.request_id] = Completion(
                     token_ids=list(completion.token_ids),
-                    num_cached_tokens=int(out.num_cached_tokens or 0),  # type: ignore[union-attr]
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
                     finish_reason=completion.finish_reason,
                 )
 

@@ -12,6 +12,7 @@ state are process-global), so one import of vLLM serves them all.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import os
 import random
@@ -126,7 +127,7 @@ def run_conformance(
                 )
             else:
                 result, _ = _guarded(
-                    lambda r, p=policy: scenarios.failed_load(r, p), run, name
+                    functools.partial(scenarios.failed_load, policy=policy), run, name
                 )
             record(result)
         finally:
