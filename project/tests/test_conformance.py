@@ -9,6 +9,9 @@ installed.
 
 - ``StoreConnector`` (directory store) conforms: every scenario passes or
   is N/A (no asynchronous load by default; TP=2 is not run by the kit).
+- ``StoreConnector`` driven through its legacy pair
+  (``LegacyStoreConnector``) conforms through the stack's bridge, leases
+  checked.
 - ``ExampleConnector`` (vLLM's, the legacy pair only) passes through the
   stack's bridge, except ``preemption_while_loading``: its resumed-request
   load reads a file named after the hash of the prompt *and* the generated
@@ -69,13 +72,22 @@ EXAMPLE_EXPECTED = {
     "abort_before_load": PASS,
     "abort_after_load": PASS,
     "async_load": NA,
-    "step_raises": NA,
+    "step_raises": PASS,
     "legacy_bridge": PASS,
     "scheduler_context": NA,
     "failed_load_recompute": NA,
     "failed_load_fail": NA,
     "tensor_parallel_2": NA,
 }
+
+
+LEGACY_STORE_EXPECTED = dict(
+    STORE_EXPECTED,
+    legacy_bridge=PASS,
+    # Its legacy pair hands the kit no query_result naming the chunks to damage.
+    failed_load_recompute=NA,
+    failed_load_fail=NA,
+)
 
 
 def store_config(path: Path, connector: str = "StoreConnector") -> dict[str, Any]:
@@ -116,6 +128,7 @@ def report(
         **{
             plant: store_config(root / plant, plant)
             for plant in (
+                "LegacyStoreConnector",
                 "PreemptionLeakConnector",
                 "AbortLeakConnector",
                 "WrongKVConnector",
@@ -157,6 +170,18 @@ def test_example_connector_through_the_bridge(report: Callable[[str], Report]) -
     # Upstream's bug, reported (see the module docstring).
     preemption = reasons["preemption_while_loading"].reason
     assert "FileNotFoundError" in preemption, preemption
+
+
+def test_a_legacy_connector_with_leases_through_the_bridge(
+    report: Callable[[str], Report],
+) -> None:
+    """StoreConnector driven through its legacy pair: the bridge, with the
+    leases the kit sees (ExampleConnector has none)."""
+    legacy = report("LegacyStoreConnector")
+    assert statuses(legacy) == LEGACY_STORE_EXPECTED, why(legacy)
+    reasons = legacy.by_name()
+    assert "no lease left" in reasons["preemption_while_loading"].reason
+    assert "lookups" in reasons["hit"].reason
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,9 @@ change, loaded by the kit through ``kv_connector_module_path``
   not cover the whole prefix), so a prompt that differs only in its first
   half loads the other prompt's KV: fails ``correctness``.
 
+``LegacyStoreConnector`` is no plant: ``StoreConnector`` driven through its
+legacy pair, the kit's legacy connector with leases.
+
 The pins are visible to the kit through its optional introspection protocol
 (``kv_conformance_open_leases``, the kit's README). With
 ``CONFORMANCE_PLANTS_OFF=1`` in the environment each connector does the right
@@ -108,3 +111,15 @@ class WrongKVConnector(StoreConnector):
             return super().prepare_external_match(request, num_computed_tokens)
         finally:
             request.block_hashes = own
+
+
+class LegacyStoreConnector(StoreConnector):
+    """Not a plant: ``StoreConnector`` driven through the legacy pair
+    (``get_num_new_matched_tokens`` / ``update_state_after_alloc``, which it
+    implements for vLLM without the lifecycle), as the stack's bridge drives a
+    connector that implements only that pair; its leases stay visible to the
+    kit, which ExampleConnector has none of."""
+
+    @property
+    def uses_external_match_lifecycle(self) -> bool:
+        return False

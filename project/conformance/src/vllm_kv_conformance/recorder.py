@@ -138,6 +138,12 @@ class LifecycleRecorder:
     def open_matches(self) -> list[str]:
         return list(self._open)
 
+    @property
+    def pending_lookups(self) -> list[str]:
+        """Requests a legacy lookup answered and no update_state_after_alloc
+        has followed yet."""
+        return list(self._legacy_offer)
+
     # -- the lifecycle ---------------------------------------------------
 
     def _prepare_external_match(

@@ -272,13 +272,9 @@ def async_load(run: Run) -> ScenarioResult:
 
 
 def step_raises(run: Run) -> ScenarioResult:
+    """The scheduler's pass raises right after the connector was asked about
+    the request (its match prepared, or its legacy lookup answered)."""
     s = Scenario(run, "step_raises")
-    if not run.lifecycle:
-        return ScenarioResult.not_applicable(s.name, NO_LIFECYCLE)
-    if run.mode != LIFECYCLE:
-        return ScenarioResult.not_applicable(
-            s.name, "legacy connector: no prepared match for the scheduler to abort"
-        )
     reference = run.references.get("reference") or s.reference(
         "reference", run.prompts.reference
     )
@@ -289,10 +285,11 @@ def step_raises(run: Run) -> ScenarioResult:
     raised: list[str] = []
 
     def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-        prepared = target in run.recorder.open_matches
-        if request.request_id == target and prepared and not raised:
+        recorder = run.recorder
+        asked = target in recorder.open_matches or target in recorder.pending_lookups
+        if request.request_id == target and asked and not raised:
             raised.append(target)
-            raise RuntimeError("kit: injected failure after the match was prepared")
+            raise RuntimeError("kit: injected failure after the connector was asked")
         return original(request, *args, **kwargs)
 
     manager.allocate_slots = allocate_slots
@@ -308,17 +305,23 @@ def step_raises(run: Run) -> ScenarioResult:
         run.engine.run_until_idle()
         s.finish()
         return ScenarioResult.not_applicable(
-            s.name, "no match was prepared for the request in its first step"
+            s.name, "the connector was not asked about the request in its first step"
         )
     aborted = run.recorder.ledger.aborted
     run.engine.run_until_idle()
     served = run.engine.completion(target_id)
     settled = s.finish()
     problems = []
-    if not aborted:
-        problems.append("the match of the raising pass was not aborted")
+    if run.mode == LIFECYCLE:
+        if not aborted:
+            problems.append("the match of the raising pass was not aborted")
+        what = "the pass raised after prepare: match aborted, the request served after"
+    else:
+        what = (
+            "the pass raised after the legacy lookup (nothing for vLLM to abort: "
+            "the connector's own state), the request served after"
+        )
     problems += _tokens_differ(served, reference, "the request after the raise")
-    what = "the pass raised after prepare: match aborted, the request served after"
     return s.result(problems, what, settled)
 
 
