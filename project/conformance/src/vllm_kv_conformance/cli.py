@@ -91,15 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result.status.value:<4}  {result.name}: {result.reason}", flush=True)
 
     reports: list[tuple[str, Report]] = []
+    broken: list[str] = []
     for label, config in zip(labels, configs, strict=True):
         print(f"== {label}", flush=True)
-        report = run_conformance(
-            config,
-            model_dir=args.model,
-            seed=args.seed,
-            only=args.scenario,
-            progress=progress,
-        )
+        try:
+            report = run_conformance(
+                config,
+                model_dir=args.model,
+                seed=args.seed,
+                only=args.scenario,
+                progress=progress,
+            )
+        except Exception as e:  # noqa: BLE001 - the engine did not start
+            print(f"{label}: not run: {type(e).__name__}: {e}", file=sys.stderr)
+            broken.append(label)
+            continue
         reports.append((label, report))
     print()
     for _, report in reports:
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         command = " \\\n    ".join(["vllm-kv-conformance", *parts])
         args.markdown.write_text(render.markdown(reports, command, notes=args.note))
         print(f"wrote {args.markdown}")
-    return 1 if any(r.failed for _, r in reports) else 0
+    return 1 if broken or any(r.failed for _, r in reports) else 0
 
 
 if __name__ == "__main__":

@@ -111,9 +111,13 @@ class KitEngine:
                 else None
             ),
         )
-        with _tracking(build_hook):
-            # Any: the kit reads RequestOutput fields vLLM types as optional.
-            self.engine: Any = LLMEngine.from_engine_args(args)
+        try:
+            with _tracking(build_hook):
+                # Any: the kit reads RequestOutput fields vLLM types as optional.
+                self.engine: Any = LLMEngine.from_engine_args(args)
+        except BaseException:
+            release_vllm_state()
+            raise
         core = getattr(self.engine.engine_core, "engine_core", None)
         if core is None:
             self.close()
@@ -267,14 +271,20 @@ class KitEngine:
         if engine is not None:
             engine.engine_core.shutdown()
             self.engine = None
-        from vllm.distributed.kv_transfer.kv_transfer_state import (
-            ensure_kv_transfer_shutdown,
-        )
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        release_vllm_state()
 
-        ensure_kv_transfer_shutdown()
-        cleanup_dist_env_and_memory()
-        gc.collect()
+
+def release_vllm_state() -> None:
+    """Shut down vLLM's process-global KV transfer group and distributed
+    environment (after an engine, or a build that failed half-way)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_shutdown,
+    )
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    ensure_kv_transfer_shutdown()
+    cleanup_dist_env_and_memory()
+    gc.collect()
 
 
 @contextmanager
