@@ -5,10 +5,11 @@ A local ``mooncake_master`` (with its HTTP metadata server) backs
 ``MooncakeStoreConnector``; ``vllm serve`` runs the demo model with local
 prefix caching off, so cached tokens can only come from Mooncake. The same
 greedy completion is sent twice: the repeat must report cached tokens, give
-the same tokens and the same logprobs. The connector's scheduler side still
-takes its store-job block references through ``bind_gpu_block_pool`` (the
-scheduler-context entry deprecates it, for out-of-tree connectors only); the
-server must not log the deprecation warning for this in-tree connector.
+the same tokens and the same logprobs. The connector's scheduler side takes
+its store-job block references through the scheduler context (the
+scheduler-context entry moves it off the deprecated ``bind_gpu_block_pool``),
+whose counted references refuse a free the connector did not take; the
+server must not log the deprecation warning.
 
 Needs ``project/requirements-mooncake.txt`` and Debian's ``libibverbs1``.
 Without them the test skips, or fails when ``KVLC_REQUIRE_E2E=1``.
