@@ -31,6 +31,8 @@ CONNECTOR = "project/connector"
 # aibrix-kvcache itself goes in with --no-deps (its pins fight the project's).
 AIBRIX = "project/aibrix"
 AIBRIX_REQUIREMENTS = "project/aibrix/requirements-aibrix.txt"
+# The conformance kit (its `vllm-kv-conformance` command), editable.
+CONFORMANCE = "project/conformance"
 # The workbench modules `pip install .` runs: a change to one rebuilds.
 BUILD_MODULES = ("backend", "build", "gitutil", "stack", "tools", "upstream")
 
@@ -41,6 +43,7 @@ def _stack_digest(root: Path) -> str:
     inputs = [root / "pyproject.toml", root / TEST_REQUIREMENTS]
     inputs += [root / MOONCAKE_REQUIREMENTS, root / CONNECTOR / "pyproject.toml"]
     inputs += [root / AIBRIX / "pyproject.toml", root / AIBRIX_REQUIREMENTS]
+    inputs += [root / CONFORMANCE / "pyproject.toml"]
     inputs += [root / "project" / "workbench" / f"{m}.py" for m in BUILD_MODULES]
     for top in ("patches", "vllm"):
         inputs += sorted(
@@ -238,9 +241,12 @@ def ensure(root: Path, demo_only: bool = False) -> Path:
                 *connector,
                 "-e",
                 str(root / AIBRIX),
+                "-e",
+                str(root / CONFORMANCE),
             ],
             "installing the patched vLLM (built from the release and patches/), "
-            "the test requirements, the reference connector and kvlc-aibrix",
+            "the test requirements, the reference connector, kvlc-aibrix and "
+            "the conformance kit",
             env_dir / "kvlc-pip-install.log",
         )
         pip_install(

@@ -1,10 +1,10 @@
 """The kit's tiny model: a random-weight Llama that vLLM serves on CPU.
 
-A copy of the project's demo model generator (``demo/make_model.py``: same
-seeds, same shapes, same tokenizer corpus), so the kit needs no checkout of
-this repository: ``engine.KitEngine`` calls ``make_model`` for the model
-directory it is given (``--model``, default a directory in the user's cache)
-unless that directory already holds a finished model. Two hidden layers and
+The project's one model generator (its demo, end-to-end tests and benchmarks
+import it through ``project/demo/make_model.py``), here so the kit needs no
+checkout of this repository: ``engine.KitEngine`` calls ``make_model`` for the
+model directory it is given (``--model``, default a directory in the user's
+cache) unless that directory already holds a finished model. Two hidden layers and
 128 hidden units: a served step costs milliseconds, and the random weights
 (initializer range 0.2) make greedy tokens depend strongly on the prompt, which
 the correctness scenario relies on (and checks at every run).
