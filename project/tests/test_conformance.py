@@ -19,7 +19,7 @@ installed.
   ``start_load_kv``). That is upstream's bug, found by the kit, asserted
   here so the table in docs/conformance.md stays honest.
 - Three ``StoreConnector`` subclasses with a planted bug each
-  (test_conformance_plants.py) fail the scenario that names the bug and no
+  (conformance_plants.py) fail the scenario that names the bug and no
   other; ``CONFORMANCE_PLANTS_OFF=1`` removes the plants, and then these
   three tests fail (checked by hand, see the kit's README).
 """
@@ -92,7 +92,7 @@ LEGACY_STORE_EXPECTED = dict(
 
 def store_config(path: Path, connector: str = "StoreConnector") -> dict[str, Any]:
     module = (
-        "kvlc_store" if connector == "StoreConnector" else "test_conformance_plants"
+        "kvlc_store" if connector == "StoreConnector" else "conformance_plants"
     )
     return {
         "kv_connector": connector,

@@ -2,7 +2,7 @@
 
 Each is ``StoreConnector`` (the project's reference connector) with one
 change, loaded by the kit through ``kv_connector_module_path``
-("test_conformance_plants"; pytest puts this directory on ``sys.path``):
+("conformance_plants"; pytest puts this directory on ``sys.path``):
 
 - ``PreemptionLeakConnector``: pins each hit it commits until its request
   finishes, but keeps one pin per request id, so the pin of a hit committed
