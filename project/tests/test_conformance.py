@@ -332,3 +332,30 @@ def test_a_scheduler_without_the_lifecycle_drives_the_legacy_pair() -> None:
         connector = None
 
     assert driving_mode(Scheduler()) == LEGACY
+
+
+def _answer(tokens: list[int], cached: int = 0) -> dict[str, Any]:
+    return {"token_ids": tokens, "num_cached_tokens": cached}
+
+
+@pytest.mark.parametrize(
+    ("repeat", "status", "says"),
+    [
+        (_answer([1, 2], cached=256), PASS, "hit 256 tokens"),
+        (_answer([1, 2]), FAIL, "took no hit"),
+        (_answer([1, 3], cached=256), FAIL, "repeat's tokens [1, 3] differ"),
+    ],
+)
+def test_tensor_parallel_2_judges_what_the_ranks_served(
+    repeat: dict[str, Any], status: Status, says: str
+) -> None:
+    """What the TP=2 child served, judged (the child itself runs in
+    ``./wb conformance``: an engine start on two cores is too dear for CI,
+    where test_store_tp_e2e.py serves StoreConnector with two ranks)."""
+    from vllm_kv_conformance.tp2 import judge
+
+    result = judge(
+        {"miss": _answer([1, 2]), "repeat": repeat, "recompute": _answer([1, 2])}
+    )
+    assert result.status is status
+    assert says in result.reason
