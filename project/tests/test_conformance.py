@@ -91,9 +91,7 @@ LEGACY_STORE_EXPECTED = dict(
 
 
 def store_config(path: Path, connector: str = "StoreConnector") -> dict[str, Any]:
-    module = (
-        "kvlc_store" if connector == "StoreConnector" else "conformance_plants"
-    )
+    module = "kvlc_store" if connector == "StoreConnector" else "conformance_plants"
     return {
         "kv_connector": connector,
         "kv_connector_module_path": module,

@@ -12,6 +12,7 @@ import contextlib
 import os
 import platform
 from pathlib import Path
+from typing import Literal
 
 # The flags that decide which dtypes this CPU runs natively.
 DTYPE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
@@ -42,7 +43,7 @@ def describe() -> str:
     )
 
 
-def native_dtype() -> str:
+def native_dtype() -> Literal["bfloat16", "float32"]:
     """``bfloat16`` where the CPU computes it natively, else ``float32``
     (without AVX512-BF16 or AMX every bf16 op is converted, slower and noisier
     than float32 on such a CPU)."""

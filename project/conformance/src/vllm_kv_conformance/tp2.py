@@ -92,9 +92,10 @@ def judge(served: dict[str, Any]) -> ScenarioResult:
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
     """The child's side: the engine, the three requests, their answers."""
-    from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=request["model"],
