@@ -13,6 +13,7 @@ from workbench import (
     build,
     bundle,
     check,
+    conformance,
     demo,
     derive,
     devenv,
@@ -198,6 +199,10 @@ def _bench_gpu(root: Path, rest: list[str]) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(args.root, args.rest)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    return conformance.main(args.root, make=not args.no_venv)
 
 
 def cmd_test(args: argparse.Namespace) -> int:
@@ -391,6 +396,18 @@ def parser() -> argparse.ArgumentParser:
         "graphs, load_async), the time plan printed first (--plan-only: no GPU "
         "needed), results.jsonl written as it goes (--summarize DIR) "
         "(./wb bench --gpu --help; results in project/docs/gpu.md)",
+    )
+    sp = add(
+        "conformance",
+        cmd_conformance,
+        "run the conformance kit against every connector this build runs, in "
+        ".venv, the unpatched vLLM and the LMCache environment (made if needed), "
+        "with the servers they need; writes project/docs/conformance.md",
+    )
+    sp.add_argument(
+        "--no-venv",
+        action="store_true",
+        help="use the environments as they are (one not made is reported)",
     )
     add(
         "test",

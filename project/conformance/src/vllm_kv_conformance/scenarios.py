@@ -379,6 +379,14 @@ def legacy_bridge(run: Run) -> ScenarioResult:
         return ScenarioResult.failed(
             name, "the scheduler never called the legacy pair on a legacy connector"
         )
+    if run.hit_tokens and not t.committed_tokens and _hits_from_worker_hook(run):
+        # kvlc-aibrix: the scheduler's lookup offers 0 and the worker reports
+        # the cached prefix in before_update_states; the bridge carries nothing.
+        return ScenarioResult.not_applicable(
+            name,
+            "the connector's hits come from its worker hook (before_update_states), "
+            "not through the legacy pair: nothing for the bridge to carry",
+        )
     if not run.hit_tokens or not t.committed_tokens:
         return ScenarioResult.failed(name, "no hit served through the bridge")
     return ScenarioResult.passed(
@@ -387,6 +395,16 @@ def legacy_bridge(run: Run) -> ScenarioResult:
         f"{t.legacy_allocs} update_state_after_alloc calls, "
         f"{t.committed_tokens} external tokens, hits equal the recompute",
     )
+
+
+def _hits_from_worker_hook(run: Run) -> bool:
+    """Whether the connector's class overrides the stack's worker hook
+    ``before_update_states`` (it reports cached prompt tokens from the worker)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    base = getattr(KVConnectorBase_V1, "before_update_states", None)
+    hook = getattr(type(run.engine.connector), "before_update_states", None)
+    return base is not None and hook is not None and hook is not base
 
 
 def scheduler_context(run: Run) -> ScenarioResult:
