@@ -175,6 +175,16 @@ def test_scrub_and_shown_command() -> None:
     assert '\\\n    --kv-transfer-config \'{"kv_connector": "A"}\'' in line
 
 
+def test_two_ranks_only_for_the_labels_asked() -> None:
+    connectors = [("A", {"kv_connector": "A"}), ("B", {"kv_connector": "B"})]
+    argv = wc.kit_argv(".venv/bin/python", connectors, "T", Path("o"), tp2=("B",))
+    assert argv.count("--tp2") == 1
+    assert argv[argv.index("--tp2") + 1] == "B"
+    patched = next(e for e in wc.environments() if e.key == "patched")
+    labels = {c.label for c in patched.connectors}
+    assert patched.tp2 and set(patched.tp2) <= labels
+
+
 def _run(title: str, failed: bool) -> dict[str, object]:
     report = Report("StoreConnector", "0.32.0", lifecycle=not failed, seed=1)
     report.results = [

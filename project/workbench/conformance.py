@@ -99,6 +99,9 @@ class Environment:
     """Whether the reference connector's dependencies are installed, where
     the environment lacks them, into a folder of the scratch directory put on
     ``PYTHONPATH`` (the unpatched vLLM's environment has vLLM's alone)."""
+    tp2: tuple[str, ...] = ()
+    """The labels of the connectors also served on two ranks (the kit's
+    ``--tp2``: a minute of two cores each)."""
 
 
 def _store(path: str, **extra: Any) -> dict[str, Any]:
@@ -210,6 +213,8 @@ def environments() -> tuple[Environment, ...]:
             devenv.ensure,
             (KIT_SRC,),
             common_connectors(patched=True),
+            # One scheduler-side connector, one whose hits the ranks agree on.
+            tp2=("StoreConnector (directory)", "kvlc-aibrix (AIBrixHookConnector)"),
         ),
         Environment(
             "unpatched",
@@ -490,12 +495,15 @@ def plan(
 
 
 def kit_argv(python: str, connectors: list[tuple[str, dict[str, Any]]],
-             title: str, json_out: Path) -> list[str]:  # fmt: skip
+             title: str, json_out: Path,
+             tp2: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     """The kit's command line for one environment."""
     argv = [python, "-m", "vllm_kv_conformance.cli", "--seed", str(SEED)]
     argv += ["--title", title, "--json", str(json_out)]
     for label, config in connectors:
         argv += ["--label", label, "--kv-transfer-config", json.dumps(config)]
+        if label in tp2:
+            argv += ["--tp2", label]
     return argv
 
 
@@ -630,7 +638,7 @@ def run_environment(root: Path, environment: Environment, make: bool) -> dict[st
     with services(needs, servers, executables(root, python)) as found:
         p = plan(environment, importable, found, scratch, rel_python)
         json_out = scratch / "run.json"
-        argv = kit_argv(rel_python, p.run, title, json_out)
+        argv = kit_argv(rel_python, p.run, title, json_out, environment.tp2)
         kit_env = {"PYTHONPATH": os.pathsep.join(pythonpath), **p.env}
         command = shown(argv, kit_env)
         if p.run:

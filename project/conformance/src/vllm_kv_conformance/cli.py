@@ -26,6 +26,9 @@ from typing import Any
 
 from vllm_kv_conformance.results import Report, ScenarioResult
 
+# --tp2 without a label.
+ALL = "*"
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from vllm_kv_conformance.runner import SCENARIO_NAMES
@@ -62,6 +65,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a paragraph for the Markdown table's head (repeatable)",
     )
     p.add_argument("--verbose", action="store_true", help="keep vLLM's info log")
+    p.add_argument(
+        "--tp2",
+        action="append",
+        nargs="?",
+        const=ALL,
+        default=[],
+        metavar="LABEL",
+        help="run tensor_parallel_2 (the connector on two ranks in a child "
+        "process, about a minute of two cores) for every connector, or for "
+        "the one of this label (repeatable)",
+    )
     p.add_argument(
         "--json", type=Path, metavar="OUT", help="write the run as JSON here"
     )
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 only=args.scenario,
                 progress=progress,
+                tp2=ALL in args.tp2 or label in args.tp2,
             )
         except Exception as e:  # noqa: BLE001 - the engine did not start
             why = render.one_line(f"{type(e).__name__}: {e}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import random
 import traceback
@@ -31,6 +32,7 @@ from vllm_kv_conformance.recorder import (
     vllm_has_lifecycle,
 )
 from vllm_kv_conformance.results import Report, ScenarioResult
+from vllm_kv_conformance.tp2 import run_tp2
 
 POLICIES = ("recompute", "fail")
 SCENARIO_NAMES: tuple[str, ...] = (
@@ -61,13 +63,15 @@ def run_conformance(
     seed: int | None = None,
     only: Collection[str] | None = None,
     progress: Callable[[ScenarioResult], None] | None = None,
+    tp2: bool = False,
 ) -> Report:
     """Run the scenarios (all, or those named in ``only``) against the
     connector of ``kv_transfer_config`` (``--kv-transfer-config`` as a dict).
 
     ``seed`` draws the prompts (default: a fresh one per run, so a store kept
     from an earlier run does not answer the miss). ``progress`` is called with
-    each result as it comes.
+    each result as it comes. ``tp2`` runs ``tensor_parallel_2`` on two ranks
+    (``tp2.run_tp2``) instead of reporting it N/A.
     """
     engine_environment()
     if not kv_transfer_config.get("kv_connector"):
@@ -140,7 +144,13 @@ def run_conformance(
         finally:
             run.engine.close()
     if "tensor_parallel_2" in selected:
-        record(scenarios.tensor_parallel_2())
+        if tp2:
+            # Fresh prompts: the miss must not find what the scenarios stored.
+            vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+            fresh = make_prompts(seed + 1, vocab_size, BLOCK_SIZE)
+            record(run_tp2(kv_transfer_config, model, fresh.reference))
+        else:
+            record(scenarios.tensor_parallel_2())
     return report
 
 

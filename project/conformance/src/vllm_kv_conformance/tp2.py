@@ -45,6 +45,9 @@ def run_tp2(
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # The child imports this package however the parent found it.
+    kit_src = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [kit_src, env.get("PYTHONPATH")]))
     try:
         child = subprocess.run(
             [sys.executable, "-m", "vllm_kv_conformance.tp2", json.dumps(request)],
