@@ -26,6 +26,7 @@ installed.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -101,6 +102,18 @@ def store_config(path: Path, connector: str = "StoreConnector") -> dict[str, Any
     }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """The kit's CLI and a KitEngine built here set what vLLM needs in
+    ``os.environ`` (run_conformance() restores it itself): the files CI runs
+    after this one in the same process, and the servers they start, must not
+    inherit it (a logging level of ERROR hid the log lines they read)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_kv_conformance.model import make_model
@@ -152,7 +165,9 @@ def why(report: Report) -> str:
 
 
 def test_store_connector_conforms(report: Callable[[str], Report]) -> None:
+    before = dict(os.environ)
     store = report("store")
+    assert dict(os.environ) == before, "run_conformance() left os.environ changed"
     assert store.lifecycle
     assert statuses(store) == STORE_EXPECTED, why(store)
     reasons = store.by_name()

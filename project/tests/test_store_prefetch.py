@@ -97,6 +97,11 @@ class Server:
     def files(self) -> list[str]:
         return sorted(p.name for p in self.prefetcher.dir.iterdir())
 
+    def chunks(self) -> list[str]:
+        """The buffer's finished chunks: not a write still in progress (its
+        hidden ``.part`` file), which ``files()`` lists too."""
+        return [n for n in self.files() if not n.endswith(".part")]
+
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
@@ -142,7 +147,7 @@ def test_waiting_request_loads_from_the_buffer(server: Server):
     r = request("r", hs)
     arrive(server, r)
     server.step()  # r waits: prefetched meanwhile
-    wait_for(lambda: len(server.files()) == 3, "3 prefetched chunks")
+    wait_for(lambda: len(server.chunks()) == 3, "3 prefetched chunks")
     assert server.prefetcher.used_bytes == 3 * chunk_bytes(server)
 
     meta = server.schedule(r, [6, 7, 8])
@@ -179,7 +184,7 @@ def test_buffer_stays_under_its_budget_and_the_rest_loads_from_the_store(
         r = request("r", hs)
         arrive(server, r)
         server.step()
-        wait_for(lambda: len(server.files()) == 2, "2 prefetched chunks")
+        wait_for(lambda: len(server.chunks()) == 2, "2 prefetched chunks")
         time.sleep(0.2)  # the thread waits for space: nothing more comes
         assert len(server.files()) == 2
         assert server.prefetcher.used_bytes == 2 * size
@@ -205,7 +210,7 @@ def test_request_that_leaves_the_queue_drops_its_chunks(server: Server):
     y = request("y", shared + hashes("y", 1))
     arrive(server, x, y)
     server.step()
-    wait_for(lambda: len(server.files()) == 4, "4 prefetched chunks")
+    wait_for(lambda: len(server.chunks()) == 4, "4 prefetched chunks")
 
     server.scheduler.finished(x)  # aborted while waiting
     # The shared prefix stays for y; x's own block goes.
@@ -275,7 +280,7 @@ def test_damaged_or_missing_buffer_chunk_is_read_from_the_store(server: Server):
     r = request("r", hs)
     arrive(server, r)
     server.step()
-    wait_for(lambda: len(server.files()) == 2, "2 prefetched chunks")
+    wait_for(lambda: len(server.chunks()) == 2, "2 prefetched chunks")
     first, second = (server.prefetcher.dir / n for n in server.files())
     data = bytearray(first.read_bytes())
     data[HEADER_BYTES + 3] ^= 0x01
@@ -300,7 +305,7 @@ def test_scheduled_without_a_load_drops_its_chunks(server: Server):
     r = request("r", hs)
     arrive(server, r)
     server.step()
-    wait_for(lambda: len(server.files()) == 2, "2 prefetched chunks")
+    wait_for(lambda: len(server.chunks()) == 2, "2 prefetched chunks")
     server.step([r])  # e.g. found in the local prefix cache: no load
     assert server.files() == []
 

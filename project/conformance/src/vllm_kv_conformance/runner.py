@@ -72,7 +72,30 @@ def run_conformance(
     from an earlier run does not answer the miss). ``progress`` is called with
     each result as it comes. ``tp2`` runs ``tensor_parallel_2`` on two ranks
     (``tp2.run_tp2``) instead of reporting it N/A.
+
+    The environment variables the engine needs (``engine_environment``) are
+    set for the run only: ``os.environ`` is as it was when this returns, so a
+    test process that runs the kit does not pass them to what runs next.
     """
+    saved = dict(os.environ)
+    try:
+        return _run_conformance(
+            kv_transfer_config, model_dir, seed, only, progress, tp2
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run_conformance(
+    kv_transfer_config: dict[str, Any],
+    model_dir: Path | None = None,
+    seed: int | None = None,
+    only: Collection[str] | None = None,
+    progress: Callable[[ScenarioResult], None] | None = None,
+    tp2: bool = False,
+) -> Report:
+    """The body of run_conformance(), which restores the environment."""
     engine_environment()
     if not kv_transfer_config.get("kv_connector"):
         raise ValueError("kv_transfer_config names no kv_connector")
